@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglesrv.configs.errors import require
+
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how forward passes run."""
+
+    device: str = "auto"  # auto: cuda when available, else cpu
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when it imports, else torch
+    cuda_graph_max_bs: int | None = None
+    disable_cuda_graph: bool = False
+    num_threads: int | None = None  # CPU threads for torch; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
+        )
+        require(
+            self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+            f"--cuda-graph-max-bs must be at least 1, got {self.cuda_graph_max_bs}",
+        )

@@ -1,0 +1,1 @@
+"""Model definitions, weight loading, the model runner, the sampler and the Engine API."""

@@ -1,0 +1,182 @@
+"""One Llama-family decoder on the paged KV cache.
+
+Tokens from all sequences of a step are packed into one [num_tokens] batch; attention is
+the only place sequences are told apart (through the ForwardContext's metadata).
+Projections are fused (q/k/v into qkv_proj, gate/up into gate_up_proj) and loaded from
+the checkpoint's separate tensors by load_weights.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.engine.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, as Hugging Face does, then scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.rope = rope  # shared by every layer; not a parameter
+        self.scale = arch.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rope(
+            positions,
+            q.view(tokens, self.num_heads, self.head_dim),
+            k.view(tokens, self.num_kv_heads, self.head_dim),
+        )
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        out = ctx.attention.forward(
+            q, k, v, ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id], ctx.metadata, self.scale
+        )
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_id: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_id, rope)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = rope
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, rope) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+# Checkpoint tensor -> (fused parameter, which part): q/k/v and gate/up are stored apart.
+_FUSED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(positions, x, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) in; refuse missing or mis-shaped ones."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, part = _fused_target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.family} model")
+            destination = params[target] if part is None else _part_view(params[target], target, part, self.arch)
+            if tuple(destination.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(destination.shape)}")
+            destination.copy_(tensor)
+            loaded.setdefault(target, set()).add(-1 if part is None else part)
+        missing = [n for n in params if n not in loaded or not _complete(n, loaded[n])]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights for speed runs (--load-format dummy): small normals, unit norms."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.randn(param.shape, generator=generator) * 0.02
+                param.copy_(values.to(param.dtype))
+
+
+def _fused_target(name: str) -> tuple[str, int | None]:
+    for part_name, (fused, part) in _FUSED_PARTS.items():
+        if f".{part_name}." in name:
+            return name.replace(f".{part_name}.", f".{fused}."), part
+    return name, None
+
+
+def _part_view(param: torch.Tensor, name: str, part: int, arch: ModelArch) -> torch.Tensor:
+    if ".gate_up_proj." in name:
+        sizes = [arch.intermediate_size] * 2
+    else:  # qkv_proj
+        sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+    start = sum(sizes[:part])
+    return param.narrow(0, start, sizes[part])
+
+
+def _complete(name: str, parts: set[int]) -> bool:
+    if ".qkv_proj." in name:
+        return parts == {0, 1, 2}
+    if ".gate_up_proj." in name:
+        return parts == {0, 1}
+    return -1 in parts

@@ -1,0 +1,253 @@
+"""Token sampler: pure torch functions over the rows of a batch that sample this step.
+
+Pipeline per step (all vectorized over the batch, computed in float32):
+
+    raw logits --apply_penalties--> penalized --temperature, top-k, top-p, min-p-->
+    processed probs --inverse CDF with request_uniforms(seed, step)--> token
+
+Greedy rows (temperature 0 or top_k 1) take argmax of the penalized logits. Logprobs
+are log_softmax of the raw logits (vLLM's default), only for rows that ask.
+
+The pieces are public because EAGLE-3 verification reuses them: it needs the processed
+target distribution (`processed_probs`) and uniforms that depend only on (seed, step)
+(`request_uniforms`), so a seeded request samples the same tokens whatever else is in
+the batch, and after preemption, with no generator state to keep.
+
+Filter conventions (row-local, so a row's result never depends on other rows):
+  top_k  ranks by a stable descending sort; ties at the cut keep the lowest token id.
+  top_p  keeps the smallest most-likely-first prefix whose mass reaches top_p: a token is
+         kept iff the mass ranked strictly above it is < top_p - 1e-6 (the slack absorbs
+         softmax rounding, so probs [.5, .3, .15, .05] with top_p .8 keep exactly two).
+         Computed on the top-k-renormalized distribution.
+  min_p  keeps tokens with prob >= min_p * max prob (ratio, so renormalizing is moot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eaglesrv.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_TOP_P_SLACK = 1e-6
+_MIN_TEMPERATURE = 1e-6
+
+
+@dataclass
+class SamplingBatch:
+    params: list[SamplingParams]  # one per row of logits
+    output_token_ids: list[list[int]]  # tokens generated so far per request (penalties)
+    seeds: list[int]  # resolved per-request seed (unseeded requests get one at admission)
+    step_indices: list[int]  # index of the output token being sampled
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-n alternatives, most likely first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+# ---------------------------------------------------------------------------- uniforms
+
+
+def _splitmix64(x: int) -> int:
+    """One splitmix64 step: a cheap bijective 64-bit mixer with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_uniforms(seed: int, step_index: int, n: int) -> torch.Tensor:
+    """[n] float64 uniforms in [0, 1) that depend only on (seed, step_index).
+
+    Drawn from a fresh CPU generator (CPU so values are identical on every device), and
+    a prefix of a longer draw equals a shorter draw, so uniform 0 is the same whether a
+    step is sampled plainly or verified speculatively.
+    """
+    key = _splitmix64(_splitmix64(seed & _MASK64) ^ (step_index & _MASK64))
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(key)  # accepts [0, 2**64)
+    return torch.rand(n, generator=gen, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------- penalties
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 logits [B, V] with OpenAI presence/frequency penalties over generated tokens.
+
+    Returns a new tensor when penalties apply (the input is never modified); rows without
+    penalties are left bit-identical.
+    """
+    logits = logits.float()
+    rows = [i for i, p in enumerate(batch.params) if p.uses_penalties]
+    if not rows:
+        return logits
+    num_rows, vocab = logits.shape
+    flat_index: list[int] = []
+    for i in rows:
+        flat_index.extend(i * vocab + t for t in batch.output_token_ids[i])
+    counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=logits.device)
+    if flat_index:
+        index = torch.tensor(flat_index, dtype=torch.long, device=logits.device)
+        counts.scatter_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    counts = counts.view(num_rows, vocab)
+    presence = _row_tensor([p.presence_penalty for p in batch.params], logits.device)
+    frequency = _row_tensor([p.frequency_penalty for p in batch.params], logits.device)
+    return logits - (presence * (counts > 0) + frequency * counts)
+
+
+# ---------------------------------------------------------------------------- probs
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 probs [B, V] that the sampler draws from: penalties, temperature, top-k,
+    top-p, min-p, renormalized. Greedy rows are one-hot at argmax of the penalized logits."""
+    return _probs_from_penalized(apply_penalties(logits, batch), batch)
+
+
+def _probs_from_penalized(penalized: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    device = penalized.device
+    params = batch.params
+    # Greedy rows get temperature 1 only to keep the division finite (they are replaced
+    # below); tiny temperatures are floored so logits / T cannot overflow to inf.
+    temps = [1.0 if p.greedy else max(p.temperature, _MIN_TEMPERATURE) for p in params]
+    scaled = penalized / _row_tensor(temps, device)
+    keep = _filter_mask(scaled, params)
+    if keep is not None:
+        scaled = scaled.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if any(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(1, penalized.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def _uses_filters(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)
+
+
+def _filter_mask(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """Bool keep-mask [B, V] for top-k/top-p/min-p, or None when no row filters.
+
+    Only the rows that filter are sorted (once, together); the others keep everything,
+    so their softmax is exactly the unfiltered one.
+    """
+    rows = [i for i, p in enumerate(params) if _uses_filters(p)]
+    if not rows:
+        return None
+    device = scaled.device
+    vocab = scaled.shape[1]
+    sub = [params[i] for i in rows]
+    top_k = _row_tensor([p.top_k if p.top_k > 0 else vocab for p in sub], device)
+    top_p = _row_tensor([p.top_p for p in sub], device)
+    min_p = _row_tensor([p.min_p for p in sub], device)
+
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    sorted_logits, order = torch.sort(scaled[row_index], dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=device, dtype=torch.float32).unsqueeze(0)
+    keep_sorted = rank < top_k  # [R, V]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+
+    mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    # top_p == 1 rows skip the test: the slack must not trim their tail.
+    in_top_p = (mass_above < top_p - _TOP_P_SLACK) | (top_p >= 1.0)
+    keep_sorted &= in_top_p
+    keep_sorted &= sorted_probs >= min_p * sorted_probs[:, :1]
+    keep_sorted[:, 0] = True  # the most likely token always survives
+
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    keep[row_index] = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    return keep
+
+
+# ---------------------------------------------------------------------------- drawing
+
+
+def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: long [B] token ids from probs [B, V] and uniforms [B] in [0, 1).
+
+    Token i is drawn iff cdf[i-1] <= u < cdf[i], so zero-prob tokens are never drawn. The
+    CDF is accumulated in float64; a u at or past the last CDF value (rounding) falls
+    back to the last token with nonzero probability.
+    """
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = uniforms.to(device=probs.device, dtype=torch.float64).unsqueeze(1)
+    drawn = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    vocab = probs.shape[1]
+    last_nonzero = vocab - 1 - torch.argmax((probs > 0).flip(-1).to(torch.uint8), dim=-1)
+    return torch.where(drawn >= vocab, last_nonzero, drawn)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Pick one token per row of logits [B, V] (any float dtype) and its logprobs."""
+    if logits.shape[0] != len(batch.params):
+        raise ValueError(f"logits has {logits.shape[0]} rows but batch has {len(batch.params)}")
+    if logits.shape[0] == 0:
+        return SamplerOutput(token_ids=[], logprobs=[])
+    penalized = apply_penalties(logits, batch)
+    greedy_ids = penalized.argmax(dim=-1)  # ties -> lowest id
+    is_greedy = [p.greedy for p in batch.params]
+
+    token_ids = greedy_ids
+    if not all(is_greedy):
+        probs = _probs_from_penalized(penalized, batch)
+        # Greedy rows need no uniform; 0.0 is a placeholder overwritten by the argmax.
+        uniforms = torch.tensor(
+            [
+                0.0 if g else float(request_uniforms(s, k, 1)[0])
+                for g, s, k in zip(is_greedy, batch.seeds, batch.step_indices)
+            ],
+            dtype=torch.float64,
+        )
+        drawn = draw_from_probs(probs, uniforms)
+        greedy = torch.tensor(is_greedy, dtype=torch.bool, device=logits.device)
+        token_ids = torch.where(greedy, greedy_ids, drawn)
+
+    ids = token_ids.tolist()
+    return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(logits, ids, batch.params))
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: list[int], params: list[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    """Chosen-token logprob and top-n alternatives from the raw logits [B, V], for the
+    rows whose params.logprobs is not None (the others get None)."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    device = logits.device
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    logp = torch.log_softmax(logits[row_index].float(), dim=-1)  # [R, V]
+    chosen_ids = torch.tensor([token_ids[i] for i in rows], dtype=torch.long, device=device)
+    chosen = logp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+    n_max = min(max(params[i].logprobs or 0 for i in rows), logp.shape[1])
+    top_vals, top_ids = torch.topk(logp, n_max, dim=-1) if n_max else (None, None)
+    for r, i in enumerate(rows):
+        n = min(params[i].logprobs or 0, n_max)
+        top: list[tuple[int, float]] = []
+        if n:
+            top = list(zip(top_ids[r, :n].tolist(), top_vals[r, :n].tolist()))
+        out[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen[r], top=top)
+    return out
+
+
+def _row_tensor(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row parameter column [B, 1] in float32, to broadcast against [B, V]."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

@@ -1,0 +1,84 @@
+"""Start-up decisions: device, dtype, threads and KV pool size, each logged once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from eaglesrv.configs import CacheConfig, ModelConfig, RuntimeConfig
+from eaglesrv.engine.kv_cache import KVPool
+from eaglesrv.engine.model.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_MEM_FRACTION = 0.3
+CUDA_DEFAULT_MEM_FRACTION = 0.85
+
+
+class EngineSetupError(RuntimeError):
+    """The engine cannot start with this configuration on this machine."""
+
+
+def resolve_device(runtime: RuntimeConfig) -> torch.device:
+    if runtime.device == "cuda" and not torch.cuda.is_available():
+        raise EngineSetupError("--device cuda was given but no CUDA device is available")
+    if runtime.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(runtime.device)
+
+
+def resolve_dtype(model: ModelConfig, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """'auto': float32 on the CPU; on CUDA the checkpoint's 16-bit dtype, or bfloat16."""
+    if model.dtype != "auto":
+        return _DTYPES[model.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    declared = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "")
+    return _DTYPES.get(declared.replace("torch.", ""), torch.bfloat16) if "16" in declared else torch.bfloat16
+
+
+def kv_pool_pages(
+    cache: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device, weight_bytes: int
+) -> int:
+    """How many pages the KV pool gets, from --max-total-tokens or the memory fraction."""
+    per_token = KVPool.bytes_per_token(arch, dtype)
+    if cache.max_total_tokens is not None:
+        tokens = cache.max_total_tokens
+    else:
+        tokens = _tokens_from_memory(cache, per_token, device, weight_bytes)
+    pages = tokens // cache.page_size
+    if pages < 1:
+        raise EngineSetupError(
+            f"no memory left for the KV cache ({tokens} tokens of {per_token} bytes fit); "
+            "raise --mem-fraction-static or give --max-total-tokens"
+        )
+    logger.info(
+        "KV cache: %d pages of %d tokens = %d tokens, %.2f GiB (%s)",
+        pages, cache.page_size, pages * cache.page_size, pages * cache.page_size * per_token / 2**30, dtype,
+    )
+    return pages
+
+
+def _tokens_from_memory(cache: CacheConfig, per_token: int, device: torch.device, weight_bytes: int) -> int:
+    if device.type == "cuda":
+        fraction = cache.mem_fraction_static or CUDA_DEFAULT_MEM_FRACTION
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * fraction - (total - free)  # weights are already resident
+    else:
+        fraction = cache.mem_fraction_static or CPU_DEFAULT_MEM_FRACTION
+        budget = _available_host_memory() * fraction - weight_bytes
+    return max(0, int(budget // per_token))
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30  # not Linux: assume a modest machine

@@ -1,0 +1,23 @@
+"""Plain-Python continuous batching: requests, queues, token budget, KV pages, preemption.
+
+No torch here: the scheduler hands the engine a ScheduledBatch and takes back the
+sampled tokens, so it can be tested with fake model outputs.
+"""
+
+from eaglesrv.scheduler.batch import RequestOutput, ScheduledBatch, SequenceWork
+from eaglesrv.scheduler.page_allocator import OutOfPages, PageAllocator
+from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
+from eaglesrv.scheduler.scheduler import RequestRejected, Scheduler
+
+__all__ = [
+    "FinishReason",
+    "OutOfPages",
+    "PageAllocator",
+    "Request",
+    "RequestOutput",
+    "RequestRejected",
+    "RequestStatus",
+    "ScheduledBatch",
+    "Scheduler",
+    "SequenceWork",
+]

@@ -1,0 +1,194 @@
+"""Continuous batching over a paged KV cache.
+
+Each step: running requests first (oldest first, one token each when decoding, or their
+next prefill chunk), then waiting requests are admitted while the token budget, the
+running-request cap and the free pages allow. When a running request needs a page and
+none is free, the newest running request is preempted: its pages are freed and it goes
+back to the front of the queue, to be recomputed later (prompt + tokens generated so far).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from eaglesrv.configs.scheduler import SchedulerConfig
+from eaglesrv.scheduler.batch import ForwardMode, RequestOutput, SampledToken, ScheduledBatch, SequenceWork
+from eaglesrv.scheduler.page_allocator import PageAllocator
+from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never run (e.g. its prompt does not fit); the message says why."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_pages: int, page_size: int) -> None:
+        self.config = config
+        self.page_size = page_size
+        self.pages = PageAllocator(num_pages)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._watermark_pages = int(config.admission_watermark * num_pages)
+        self.pool_capacity_tokens = num_pages * page_size
+
+    # ---- requests in and out -------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        self.validate(request)
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def validate(self, request: Request) -> None:
+        """Refuse a request that could never run; reads only fixed state, so safe from any thread."""
+        # A single sequence can never hold more tokens than the whole pool.
+        request.max_context_len = min(request.max_context_len, self.pool_capacity_tokens)
+        if not request.prompt_token_ids:
+            raise RequestRejected("the prompt is empty")
+        if len(request.prompt_token_ids) >= request.max_context_len:
+            raise RequestRejected(
+                f"the prompt has {len(request.prompt_token_ids)} tokens; the limit is "
+                f"{request.max_context_len - 1} (context length {request.max_context_len}, one token left to generate)"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request wherever it is; returns its final output, or None if unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return _output(request, [], [])
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step ------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.token_budget or math.inf
+        work: list[SequenceWork] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = int(min(request.num_tokens - request.num_computed_tokens, budget))
+            if not self._reserve_or_preempt(request, request.num_computed_tokens + count, preempted):
+                continue  # `request` itself was preempted; the list shifted under `index`
+            work.append(self._work(request, count))
+            budget -= count
+            index += 1
+
+        # Admitting right after a preemption would only thrash the pool.
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_running_requests:
+            request = self.waiting[0]
+            count = int(min(request.num_tokens, budget))
+            needed = self._pages_for(count)
+            if self.pages.num_free - needed < self._watermark_pages and self.running:
+                break
+            if needed > self.pages.num_free:
+                break
+            self.waiting.popleft()
+            request.page_table = self.pages.allocate(needed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            work.append(self._work(request, count))
+            budget -= count
+
+        mode = ForwardMode.IDLE
+        if work:
+            mode = ForwardMode.DECODE if all(len(w.token_ids) == 1 and w.sample for w in work) else ForwardMode.EXTEND
+        return ScheduledBatch(sequences=work, mode=mode, preempted_ids=preempted)
+
+    def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[RequestOutput]:
+        """Apply a step's results: advance computed tokens, append sampled ones, finish."""
+        outputs: list[RequestOutput] = []
+        sampled_iter = iter(sampled)
+        for work in batch.sequences:
+            token = next(sampled_iter) if work.sample else None
+            request = self._requests.get(work.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted after scheduling: its result is void
+            request.num_computed_tokens += len(work.token_ids)
+            if token is None:
+                continue
+            request.output_token_ids.append(token.token_id)
+            reason = request.stop_reason_after(token.token_id)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+            logprobs = [token.logprobs] if token.logprobs is not None else []
+            outputs.append(_output(request, [token.token_id], logprobs))
+        return outputs
+
+    # ---- internals -----------------------------------------------------------------
+    def _work(self, request: Request, count: int) -> SequenceWork:
+        start = request.num_computed_tokens
+        return SequenceWork(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + count),
+            num_cached=start,
+            page_table=list(request.page_table),
+            sample=start + count == request.num_tokens,
+            params=request.params,
+            seed=request.seed,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve_or_preempt(self, request: Request, total_tokens: int, preempted: list[str]) -> bool:
+        """Give `request` pages for `total_tokens`, preempting the newest requests if needed.
+
+        Returns False when `request` itself had to be preempted.
+        """
+        while True:
+            needed = self._pages_for(total_tokens) - len(request.page_table)
+            if needed <= self.pages.num_free:
+                if needed > 0:
+                    request.page_table.extend(self.pages.allocate(needed))
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pages.free(request.page_table)
+        request.page_table = []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.page_table:
+            self.pages.free(request.page_table)
+            request.page_table = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+
+
+def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=new_tokens,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_output_tokens=len(request.output_token_ids),
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+        new_logprobs=logprobs,
+    )

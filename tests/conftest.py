@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny random Llama saved in Hugging Face layout, and engine builders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+
+TINY_LLAMA = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)
+
+
+def save_tiny_llama(path, seed: int = 0, **overrides) -> str:
+    """A random Llama with weights large enough that greedy choices are not near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY_LLAMA, "initializer_range": 0.2, **overrides})
+    model = LlamaForCausalLM(config).float()
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def engine_config(model_path: str | None, **kwargs) -> EngineConfig:
+    """An fp32 CPU engine config; kwargs go to the config group that has the field."""
+    groups = {"model": {"model_path": model_path, "dtype": "float32"}, "cache": {}, "scheduler": {}, "runtime": {"device": "cpu"}}
+    for key, value in kwargs.items():
+        group = next(g for g, cls in _GROUP_CLASSES.items() if key in cls.__dataclass_fields__)
+        groups[group][key] = value
+    groups["cache"].setdefault("max_total_tokens", 16384)
+    return EngineConfig(
+        model=ModelConfig(**groups["model"]), cache=CacheConfig(**groups["cache"]),
+        scheduler=SchedulerConfig(**groups["scheduler"]), runtime=RuntimeConfig(**groups["runtime"]),
+    )
+
+
+_GROUP_CLASSES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runtime": RuntimeConfig}

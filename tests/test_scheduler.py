@@ -1,0 +1,177 @@
+"""The scheduler on its own, driven with fake model outputs (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from eaglesrv.configs import SchedulerConfig
+from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.scheduler import OutOfPages, PageAllocator, Request, Scheduler
+from eaglesrv.scheduler.batch import ForwardMode, SampledToken
+from eaglesrv.scheduler.scheduler import RequestRejected
+
+EOS = 2
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, **params) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        params=SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+        seed=0,
+        eos_token_ids=frozenset({EOS}),
+        max_context_len=1000,
+    )
+
+
+def fake_next_token(work) -> int:
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return 100 + (work.num_cached + len(work.token_ids)) % 50
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            return outputs
+        batch = scheduler.schedule()
+        sampled = [SampledToken(fake_next_token(w)) for w in batch.sequences if w.sample]
+        for out in scheduler.update(batch, sampled):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("scheduler did not finish")
+
+
+def test_page_allocator_refuses_double_free_and_overdraw():
+    pages = PageAllocator(4)
+    got = pages.allocate(3)
+    assert pages.num_free == 1
+    with pytest.raises(OutOfPages):
+        pages.allocate(2)
+    pages.free(got)
+    assert pages.num_free == 4
+    with pytest.raises(ValueError):
+        pages.free([got[0]])
+    with pytest.raises(ValueError):
+        pages.free([99])
+
+
+def test_prefill_then_decode_and_pages_return():
+    scheduler = Scheduler(SchedulerConfig(), num_pages=64, page_size=4)
+    scheduler.add(make_request("a", 10, max_tokens=5))
+    first = scheduler.schedule()
+    assert first.mode is ForwardMode.EXTEND and first.sequences[0].token_ids == list(range(10, 20))
+    assert first.sequences[0].sample and len(first.sequences[0].page_table) == 3
+    scheduler.update(first, [SampledToken(7)])
+    second = scheduler.schedule()
+    assert second.mode is ForwardMode.DECODE
+    assert second.sequences[0].token_ids == [7] and second.sequences[0].num_cached == 10
+    scheduler.update(second, [SampledToken(8)])
+    outputs = run_to_completion(scheduler)
+    assert len(outputs["a"]) == 3  # 5 in total
+    assert scheduler.pages.num_free == 64 and scheduler.num_requests == 0
+
+
+def test_chunked_prefill_respects_budget_and_samples_only_at_the_end():
+    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=8), num_pages=64, page_size=4)
+    scheduler.add(make_request("a", 20))
+    chunks = []
+    while True:
+        batch = scheduler.schedule()
+        work = batch.sequences[0]
+        chunks.append((work.num_cached, len(work.token_ids), work.sample))
+        scheduler.update(batch, [SampledToken(5)] if work.sample else [])
+        if work.sample:
+            break
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+
+
+def test_decodes_share_the_budget_with_a_prefill_chunk():
+    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=8), num_pages=64, page_size=4)
+    scheduler.add(make_request("a", 4))
+    scheduler.update(scheduler.schedule(), [SampledToken(5)])
+    scheduler.add(make_request("b", 30))
+    batch = scheduler.schedule()
+    assert [(w.request_id, len(w.token_ids)) for w in batch.sequences] == [("a", 1), ("b", 7)]
+
+
+def test_max_running_requests_caps_admission():
+    scheduler = Scheduler(SchedulerConfig(max_running_requests=2), num_pages=64, page_size=4)
+    for rid in "abc":
+        scheduler.add(make_request(rid, 3))
+    batch = scheduler.schedule()
+    assert [w.request_id for w in batch.sequences] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+
+
+def test_preemption_recomputes_and_gives_identical_outputs():
+    def outputs_with(num_pages: int) -> tuple[dict[str, list[int]], int]:
+        scheduler = Scheduler(SchedulerConfig(admission_watermark=0.0), num_pages=num_pages, page_size=4)
+        for i in range(6):
+            scheduler.add(make_request(f"r{i}", 5 + 3 * i, max_tokens=12))
+        preemptions = 0
+        outputs: dict[str, list[int]] = {}
+        while scheduler.has_work:
+            batch = scheduler.schedule()
+            preemptions += len(batch.preempted_ids)
+            sampled = [SampledToken(fake_next_token(w)) for w in batch.sequences if w.sample]
+            for out in scheduler.update(batch, sampled):
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert scheduler.pages.num_free + sum(len(r.page_table) for r in scheduler.running) == num_pages
+        assert scheduler.pages.num_free == num_pages
+        return outputs, preemptions
+
+    roomy, roomy_preemptions = outputs_with(200)
+    tight, tight_preemptions = outputs_with(12)
+    assert roomy_preemptions == 0 and tight_preemptions > 0
+    assert tight == roomy
+
+
+def test_finish_on_eos_stop_ids_max_tokens_and_context():
+    scheduler = Scheduler(SchedulerConfig(), num_pages=64, page_size=4)
+    scheduler.add(make_request("eos", 3, max_tokens=10))
+    scheduler.add(make_request("stop_id", 3, max_tokens=10, stop_token_ids=(77,)))
+    scheduler.add(make_request("ignore", 3, max_tokens=2, ignore_eos=True))
+    context = make_request("ctx", 3, max_tokens=None)
+    context.max_context_len = 6
+    scheduler.add(context)
+    reasons = {}
+    tokens = {"eos": EOS, "stop_id": 77, "ignore": EOS, "ctx": 50}
+    while scheduler.has_work:
+        batch = scheduler.schedule()
+        sampled = [SampledToken(tokens[w.request_id]) for w in batch.sequences if w.sample]
+        for out in scheduler.update(batch, sampled):
+            if out.finished:
+                reasons[out.request_id] = (out.finish_reason, out.num_output_tokens)
+    assert reasons == {"eos": ("stop", 1), "stop_id": ("stop", 1), "ignore": ("length", 2), "ctx": ("length", 3)}
+
+
+def test_abort_anywhere_frees_pages():
+    scheduler = Scheduler(SchedulerConfig(max_running_requests=1), num_pages=64, page_size=4)
+    scheduler.add(make_request("running", 10))
+    scheduler.add(make_request("waiting", 10))
+    batch = scheduler.schedule()
+    assert scheduler.pages.num_free < 64
+    assert scheduler.abort("waiting").finish_reason == "abort"
+    assert scheduler.abort("running").finish_reason == "abort"
+    assert scheduler.update(batch, [SampledToken(5)]) == []  # the aborted step's result is void
+    assert scheduler.abort("unknown") is None
+    assert scheduler.pages.num_free == 64 and not scheduler.has_work
+
+
+def test_rejects_prompts_that_can_never_fit():
+    scheduler = Scheduler(SchedulerConfig(), num_pages=4, page_size=4)
+    with pytest.raises(RequestRejected, match="limit is 15"):
+        scheduler.add(make_request("big", 16))
+    with pytest.raises(RequestRejected, match="empty"):
+        scheduler.add(make_request("empty", 0))
+    scheduler.add(make_request("ok", 3))
+    with pytest.raises(RequestRejected, match="already in use"):
+        scheduler.add(make_request("ok", 3))
+
+
+def test_a_lone_request_stops_when_the_pool_is_full():
+    scheduler = Scheduler(SchedulerConfig(), num_pages=2, page_size=4)
+    scheduler.add(make_request("a", 3, max_tokens=None))
+    outputs = run_to_completion(scheduler)
+    assert len(outputs["a"]) == 5  # 3 + 5 = 8 tokens = the whole pool
+    assert scheduler.pages.num_free == 2
