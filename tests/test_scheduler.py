@@ -7,7 +7,7 @@ import pytest
 from eaglesrv.configs import SchedulerConfig
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.scheduler import OutOfPages, PageAllocator, Request, Scheduler
-from eaglesrv.scheduler.batch import ForwardMode, SampledToken
+from eaglesrv.scheduler.batch import ForwardMode, SequenceResult
 from eaglesrv.scheduler.scheduler import RequestRejected
 
 EOS = 2
@@ -35,7 +35,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> dict[str
         if not scheduler.has_work:
             return outputs
         batch = scheduler.schedule()
-        sampled = [SampledToken(fake_next_token(w)) for w in batch.sequences if w.sample]
+        sampled = [SequenceResult.single(w, fake_next_token(w)) for w in batch.sequences if w.sample]
         for out in scheduler.update(batch, sampled):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     raise AssertionError("scheduler did not finish")
@@ -61,11 +61,11 @@ def test_prefill_then_decode_and_pages_return():
     first = scheduler.schedule()
     assert first.mode is ForwardMode.EXTEND and first.sequences[0].token_ids == list(range(10, 20))
     assert first.sequences[0].sample and len(first.sequences[0].page_table) == 3
-    scheduler.update(first, [SampledToken(7)])
+    scheduler.update(first, [SequenceResult.single(first.sequences[0], 7)])
     second = scheduler.schedule()
     assert second.mode is ForwardMode.DECODE
     assert second.sequences[0].token_ids == [7] and second.sequences[0].num_cached == 10
-    scheduler.update(second, [SampledToken(8)])
+    scheduler.update(second, [SequenceResult.single(second.sequences[0], 8)])
     outputs = run_to_completion(scheduler)
     assert len(outputs["a"]) == 3  # 5 in total
     assert scheduler.pages.num_free == 64 and scheduler.num_requests == 0
@@ -79,7 +79,7 @@ def test_chunked_prefill_respects_budget_and_samples_only_at_the_end():
         batch = scheduler.schedule()
         work = batch.sequences[0]
         chunks.append((work.num_cached, len(work.token_ids), work.sample))
-        scheduler.update(batch, [SampledToken(5)] if work.sample else [])
+        scheduler.update(batch, [SequenceResult.single(work, 5)] if work.sample else [])
         if work.sample:
             break
     assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
@@ -88,7 +88,8 @@ def test_chunked_prefill_respects_budget_and_samples_only_at_the_end():
 def test_decodes_share_the_budget_with_a_prefill_chunk():
     scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=8), num_pages=64, page_size=4)
     scheduler.add(make_request("a", 4))
-    scheduler.update(scheduler.schedule(), [SampledToken(5)])
+    batch = scheduler.schedule()
+    scheduler.update(batch, [SequenceResult.single(batch.sequences[0], 5)])
     scheduler.add(make_request("b", 30))
     batch = scheduler.schedule()
     assert [(w.request_id, len(w.token_ids)) for w in batch.sequences] == [("a", 1), ("b", 7)]
@@ -113,7 +114,7 @@ def test_preemption_recomputes_and_gives_identical_outputs():
         while scheduler.has_work:
             batch = scheduler.schedule()
             preemptions += len(batch.preempted_ids)
-            sampled = [SampledToken(fake_next_token(w)) for w in batch.sequences if w.sample]
+            sampled = [SequenceResult.single(w, fake_next_token(w)) for w in batch.sequences if w.sample]
             for out in scheduler.update(batch, sampled):
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             assert scheduler.pages.num_free + sum(len(r.page_table) for r in scheduler.running) == num_pages
@@ -138,7 +139,7 @@ def test_finish_on_eos_stop_ids_max_tokens_and_context():
     tokens = {"eos": EOS, "stop_id": 77, "ignore": EOS, "ctx": 50}
     while scheduler.has_work:
         batch = scheduler.schedule()
-        sampled = [SampledToken(tokens[w.request_id]) for w in batch.sequences if w.sample]
+        sampled = [SequenceResult.single(w, tokens[w.request_id]) for w in batch.sequences if w.sample]
         for out in scheduler.update(batch, sampled):
             if out.finished:
                 reasons[out.request_id] = (out.finish_reason, out.num_output_tokens)
@@ -153,7 +154,7 @@ def test_abort_anywhere_frees_pages():
     assert scheduler.pages.num_free < 64
     assert scheduler.abort("waiting").finish_reason == "abort"
     assert scheduler.abort("running").finish_reason == "abort"
-    assert scheduler.update(batch, [SampledToken(5)]) == []  # the aborted step's result is void
+    assert scheduler.update(batch, [SequenceResult.single(batch.sequences[0], 5)]) == []  # the aborted step's result is void
     assert scheduler.abort("unknown") is None
     assert scheduler.pages.num_free == 64 and not scheduler.has_work
 

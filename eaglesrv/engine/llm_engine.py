@@ -22,7 +22,9 @@ from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.model_runner import ModelRunner
-from eaglesrv.engine.setup import kv_pool_pages, resolve_device, resolve_dtype
+from eaglesrv.engine.eagle3.head_io import load_draft_head
+from eaglesrv.engine.eagle3.runner import Eagle3Runner
+from eaglesrv.engine.setup import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
 from eaglesrv.kernels.attention import create_attention_backend
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.scheduler import Request, RequestOutput, Scheduler
@@ -50,6 +52,8 @@ class Engine:
         if config.runtime.num_threads:
             torch.set_num_threads(config.runtime.num_threads)
         self.device = resolve_device(config.runtime)
+        if config.speculative.enabled:
+            _check_draft_is_given(config)  # before minutes of loading, not after
         source = resolve_model(
             config.model.model_path, config.model.load_format, config.model.tokenizer_path,
             config.model.download_dir, config.model.revision,
@@ -65,11 +69,30 @@ class Engine:
         self.max_context_len = min(config.model.context_length or self.arch.max_context_len, self.arch.max_context_len)
 
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        num_pages = kv_pool_pages(config.cache, self.arch, self.dtype, self.device, weight_bytes)
+        self.draft = self._load_draft() if config.speculative.enabled else None
+        draft_bytes_per_token = KVPool.bytes_per_token(self.draft.config.arch, self.dtype) if self.draft else 0
+        if self.draft is not None:
+            weight_bytes += sum(p.numel() * p.element_size() for p in self.draft.parameters())
+        num_pages = kv_pool_pages(
+            config.cache, self.arch, self.dtype, self.device, weight_bytes, extra_bytes_per_token=draft_bytes_per_token
+        )
         self.kv = KVPool(self.arch, num_pages, config.cache.page_size, self.dtype, self.device)
         attention = create_attention_backend(config.runtime.attention_backend, config.cache.page_size, self.device)
-        self.runner = ModelRunner(self.model, self.kv, attention, self.device)
-        self.scheduler = Scheduler(config.scheduler, num_pages, config.cache.page_size)
+        if self.draft is None:
+            self.runner = ModelRunner(self.model, self.kv, attention, self.device)
+            self.scheduler = Scheduler(config.scheduler, num_pages, config.cache.page_size)
+        else:
+            draft_kv = KVPool(self.draft.config.arch, num_pages, config.cache.page_size, self.dtype, self.device)
+            self.runner = Eagle3Runner(self.model, self.draft, self.kv, draft_kv, attention, self.device, config.speculative)
+            self.scheduler = Scheduler(
+                config.scheduler, num_pages, config.cache.page_size,
+                decode_lookahead=self.runner.lookahead, decode_cost=self.runner.num_nodes,
+            )
+            logger.info(
+                "EAGLE-3: steps %d, topk %d, %d tree nodes; features from target layers %s",
+                config.speculative.num_steps, config.speculative.eagle_topk, self.runner.num_nodes,
+                self.runner.capture_layers,
+            )
         self._seed_source = random.Random(config.model.random_seed)
         self._inbox_lock = threading.Lock()  # guards the three fields below
         self._pending_adds: list[Request] = []
@@ -171,6 +194,21 @@ class Engine:
         if finished:
             with self._inbox_lock:
                 self._known_ids.difference_update(finished)
+            if isinstance(self.runner, Eagle3Runner):
+                self.runner.forget(finished)
+
+    def _load_draft(self):
+        spec, model = self.config.speculative, self.config.model
+        path = spec.draft_model_path
+        return load_draft_head(
+            path, self.arch, self.model.model.embed_tokens.weight.detach(), self.dtype, self.device,
+            random_seed=model.random_seed if path is None else None,
+        )
+
+    @property
+    def spec_stats(self) -> dict | None:
+        """Speculation counters (accept length, per-depth acceptance), or None without it."""
+        return self.runner.stats.snapshot() if isinstance(self.runner, Eagle3Runner) else None
 
 
 def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter_weights, seed: int):
@@ -185,6 +223,18 @@ def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter
         model.load_weights(iter_weights())
     logger.info("Weights ready in %.1f s", time.monotonic() - started)
     return model.eval()
+
+
+def _check_draft_is_given(config: EngineConfig) -> None:
+    """A head must be named, except for dummy speed runs (random head)."""
+    if config.speculative.draft_model_path is not None or config.model.load_format == "dummy":
+        return
+    if config.model.model_path is None:
+        raise EngineSetupError(
+            "EAGLE-3 on the default model needs its trained head, which has not landed yet; "
+            "pass --speculative-draft-model-path or run without --speculative-algorithm"
+        )
+    raise EngineSetupError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
 
 
 def _eos_ids(arch: ModelArch, generation_config: dict[str, Any], tokenizer) -> frozenset[int]:

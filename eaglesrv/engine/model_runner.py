@@ -9,7 +9,7 @@ from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, sample
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
-from eaglesrv.scheduler.batch import SampledToken, ScheduledBatch
+from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
 
 
 class ModelRunner:
@@ -28,12 +28,12 @@ class ModelRunner:
         spans = [SequenceSpan(page_table, 0, len(token_ids))]
         ctx = ForwardContext(self.attention, self.attention.plan(spans), self.kv)
         positions = torch.arange(len(token_ids), device=self.device)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), positions, ctx)
+        hidden, _ = self.model(torch.tensor(token_ids, device=self.device), positions, ctx)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Forward every sequence's new tokens; one SampledToken per sequence with sample=True."""
+    def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        """Forward every sequence's new tokens; one SequenceResult per sequence with sample=True."""
         sequences = batch.sequences
         token_ids: list[int] = []
         positions: list[int] = []
@@ -45,7 +45,7 @@ class ModelRunner:
                 last_rows.append(len(token_ids) - 1)
         spans = [SequenceSpan(seq.page_table, seq.num_cached, len(seq.token_ids)) for seq in sequences]
         ctx = ForwardContext(self.attention, self.attention.plan(spans), self.kv)
-        hidden = self.model(
+        hidden, _ = self.model(
             torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), ctx
         )
         if not last_rows:
@@ -61,4 +61,7 @@ class ModelRunner:
                 step_indices=[len(seq.output_token_ids) for seq in samplers],
             ),
         )
-        return [SampledToken(token, logprobs) for token, logprobs in zip(result.token_ids, result.logprobs)]
+        return [
+            SequenceResult.single(seq, token, logprobs)
+            for seq, token, logprobs in zip(samplers, result.token_ids, result.logprobs)
+        ]

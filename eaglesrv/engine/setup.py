@@ -41,10 +41,16 @@ def resolve_dtype(model: ModelConfig, hf_config: dict[str, Any], device: torch.d
 
 
 def kv_pool_pages(
-    cache: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device, weight_bytes: int
+    cache: CacheConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    weight_bytes: int,
+    extra_bytes_per_token: int = 0,
 ) -> int:
-    """How many pages the KV pool gets, from --max-total-tokens or the memory fraction."""
-    per_token = KVPool.bytes_per_token(arch, dtype)
+    """How many pages the KV pool gets, from --max-total-tokens or the memory fraction.
+    extra_bytes_per_token: a second pool indexed by the same pages (the draft's)."""
+    per_token = KVPool.bytes_per_token(arch, dtype) + extra_bytes_per_token
     if cache.max_total_tokens is not None:
         tokens = cache.max_total_tokens
     else:

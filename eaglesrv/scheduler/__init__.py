@@ -4,7 +4,7 @@ No torch here: the scheduler hands the engine a ScheduledBatch and takes back th
 sampled tokens, so it can be tested with fake model outputs.
 """
 
-from eaglesrv.scheduler.batch import RequestOutput, ScheduledBatch, SequenceWork
+from eaglesrv.scheduler.batch import RequestOutput, ScheduledBatch, SequenceResult, SequenceWork
 from eaglesrv.scheduler.page_allocator import OutOfPages, PageAllocator
 from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
 from eaglesrv.scheduler.scheduler import RequestRejected, Scheduler
@@ -18,6 +18,7 @@ __all__ = [
     "RequestRejected",
     "RequestStatus",
     "ScheduledBatch",
+    "SequenceResult",
     "Scheduler",
     "SequenceWork",
 ]

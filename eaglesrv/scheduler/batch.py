@@ -23,11 +23,13 @@ class SequenceWork:
     request_id: str
     token_ids: list[int]  # tokens to compute now: a prefill chunk, or the last sampled token
     num_cached: int  # tokens of this sequence already in the KV cache (positions start here)
-    page_table: list[int]  # pages for the first num_cached + len(token_ids) tokens, in order
-    sample: bool  # this chunk reaches the end of the sequence: sample the next token
+    page_table: list[int]  # pages for num_cached + len(token_ids) tokens, plus any lookahead, in order
+    sample: bool  # this chunk reaches the end of the sequence: sample the next token(s)
     params: SamplingParams
     seed: int
     output_token_ids: list[int]  # generated so far, for penalties (read-only)
+    next_token_id: int | None = None  # the known token after this chunk (None when it is to be sampled)
+    max_context_len: int = 1 << 30  # positions this sequence may reach
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,22 @@ class ScheduledBatch:
 
 
 @dataclass(frozen=True)
-class SampledToken:
-    """What the engine sampled for one sequence (aligned with the sampling sequences)."""
+class SequenceResult:
+    """What the engine produced for one sampling sequence (aligned with them, in order).
 
-    token_id: int
-    logprobs: object | None = None  # eaglesrv.engine.sampler.TokenLogprobs; opaque here
+    Plain decoding: one token, and num_computed = len(work.token_ids). A speculative
+    verification: the accepted draft tokens plus the bonus token, and num_computed = the
+    root plus the accepted nodes, whose K/V now sit contiguously after work.num_cached.
+    """
+
+    token_ids: list[int]
+    num_computed: int  # tokens of this sequence now in the KV cache, counted from work.num_cached
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when asked
+    verified: bool = False  # a speculative verification (for per-request counters)
+
+    @classmethod
+    def single(cls, work: "SequenceWork", token_id: int, logprobs=None) -> "SequenceResult":
+        return cls([token_id], len(work.token_ids), [logprobs] if logprobs is not None else [])
 
 
 @dataclass
@@ -63,6 +76,7 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: "str | None" = None  # FinishReason value once finished
     new_logprobs: list = field(default_factory=list)  # TokenLogprobs per new token, when asked
+    spec_verify_ct: int = 0  # speculative verifications so far (SGLang's meta_info field)
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_verify_passes: int = 0  # speculative verifications (SGLang's spec_verify_ct)
 
     @property
     def num_tokens(self) -> int:

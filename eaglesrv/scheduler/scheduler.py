@@ -13,7 +13,7 @@ import collections
 import math
 
 from eaglesrv.configs.scheduler import SchedulerConfig
-from eaglesrv.scheduler.batch import ForwardMode, RequestOutput, SampledToken, ScheduledBatch, SequenceWork
+from eaglesrv.scheduler.batch import ForwardMode, RequestOutput, ScheduledBatch, SequenceResult, SequenceWork
 from eaglesrv.scheduler.page_allocator import PageAllocator
 from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
 
@@ -23,9 +23,17 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_pages: int, page_size: int) -> None:
+    """decode_lookahead: KV slots a decoding request needs beyond its own tokens (the draft
+    tree and the draft's scratch under speculation; 0 for plain decoding).
+    decode_cost: tokens a decoding request counts against the per-step token budget."""
+
+    def __init__(
+        self, config: SchedulerConfig, num_pages: int, page_size: int, decode_lookahead: int = 0, decode_cost: int = 1
+    ) -> None:
         self.config = config
         self.page_size = page_size
+        self.decode_lookahead = decode_lookahead
+        self.decode_cost = decode_cost
         self.pages = PageAllocator(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -82,11 +90,16 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = int(min(request.num_tokens - request.num_computed_tokens, budget))
-            if not self._reserve_or_preempt(request, request.num_computed_tokens + count, preempted):
+            remaining = request.num_tokens - request.num_computed_tokens
+            decoding = remaining == 1
+            if decoding and budget < self.decode_cost:
+                break
+            count = 1 if decoding else int(min(remaining, budget))
+            reserve = count + (self.decode_lookahead if decoding else 0)
+            if not self._reserve_or_preempt(request, request.num_computed_tokens + reserve, preempted):
                 continue  # `request` itself was preempted; the list shifted under `index`
             work.append(self._work(request, count))
-            budget -= count
+            budget -= self.decode_cost if decoding else count
             index += 1
 
         # Admitting right after a preemption would only thrash the pool.
@@ -110,25 +123,37 @@ class Scheduler:
             mode = ForwardMode.DECODE if all(len(w.token_ids) == 1 and w.sample for w in work) else ForwardMode.EXTEND
         return ScheduledBatch(sequences=work, mode=mode, preempted_ids=preempted)
 
-    def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[RequestOutput]:
-        """Apply a step's results: advance computed tokens, append sampled ones, finish."""
+    def update(self, batch: ScheduledBatch, results: list[SequenceResult]) -> list[RequestOutput]:
+        """Apply a step's results: advance computed tokens, append new ones, finish.
+
+        Tokens are appended one at a time so that a stop rule met inside a speculative run
+        cuts it exactly there.
+        """
         outputs: list[RequestOutput] = []
-        sampled_iter = iter(sampled)
+        result_iter = iter(results)
         for work in batch.sequences:
-            token = next(sampled_iter) if work.sample else None
+            result = next(result_iter) if work.sample else None
             request = self._requests.get(work.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted after scheduling: its result is void
-            request.num_computed_tokens += len(work.token_ids)
-            if token is None:
+            if result is None:
+                request.num_computed_tokens += len(work.token_ids)
                 continue
-            request.output_token_ids.append(token.token_id)
-            reason = request.stop_reason_after(token.token_id)
+            request.num_computed_tokens = work.num_cached + result.num_computed
+            request.num_verify_passes += int(result.verified)
+            appended, reason = [], None
+            for token_id in result.token_ids:
+                request.output_token_ids.append(token_id)
+                appended.append(token_id)
+                reason = request.stop_reason_after(token_id)
+                if reason is not None:
+                    break
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
-            logprobs = [token.logprobs] if token.logprobs is not None else []
-            outputs.append(_output(request, [token.token_id], logprobs))
+            else:
+                self._trim_pages(request)
+            outputs.append(_output(request, appended, result.logprobs[: len(appended)]))
         return outputs
 
     # ---- internals -----------------------------------------------------------------
@@ -143,7 +168,17 @@ class Scheduler:
             params=request.params,
             seed=request.seed,
             output_token_ids=request.output_token_ids,
+            next_token_id=request.token_slice(start + count, start + count + 1)[0]
+            if start + count < request.num_tokens else None,
+            max_context_len=request.max_context_len,
         )
+
+    def _trim_pages(self, request: Request) -> None:
+        """Give back pages past the computed tokens (rejected draft nodes, draft scratch)."""
+        keep = self._pages_for(request.num_computed_tokens)
+        if len(request.page_table) > keep:
+            self.pages.free(request.page_table[keep:])
+            del request.page_table[keep:]
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -191,4 +226,5 @@ def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestO
         num_output_tokens=len(request.output_token_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else None,
         new_logprobs=logprobs,
+        spec_verify_ct=request.num_verify_passes,
     )

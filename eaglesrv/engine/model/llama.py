@@ -115,11 +115,21 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         ctx: ForwardContext,
-    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns the final-normed hidden states [num_tokens, hidden_size] and, when
+        capture_layers is given, the inputs of those layers side by side
+        [num_tokens, len(capture_layers) * hidden_size] (EAGLE-3's features), else None."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        captured = []
+        for index, layer in enumerate(self.model.layers):
+            if index in capture_layers:
+                captured.append(x)
             x = layer(positions, x, ctx)
-        return self.model.norm(x)
+        if len(captured) != len(capture_layers):
+            raise ValueError(f"capture layers {capture_layers} outside 0..{len(self.model.layers) - 1}")
+        aux = torch.cat(captured, dim=-1) if captured else None
+        return self.model.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,198 @@
+"""The EAGLE-3 draft head, in the checkpoint format published for SGLang, vLLM and SpecForge.
+
+One decoder layer that reads the target's features instead of only tokens:
+
+    features  = fc([h_low; h_mid; h_high])             3 x target hidden -> H  (first step)
+              | previous draft output (pre-norm)        H                       (later steps)
+    x         = [input_layernorm(embed(token)); hidden_norm(features)]   width 2H
+    h         = features + o_proj(attention(q/k/v(x)))
+    out       = h + mlp(post_attention_layernorm(h))   (pre-norm: fed to the next draft step)
+    logits    = lm_head(norm(out))                     over the draft vocabulary
+    target id = draft id + d2t[draft id]
+
+Checkpoint tensors: fc, midlayer.{input_layernorm, hidden_norm, post_attention_layernorm},
+midlayer.self_attn.{q,k,v,o}_proj, midlayer.mlp.{gate,up,down}_proj, norm, lm_head, d2t,
+t2d (unused here), and optionally embed_tokens (else the target's is used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.engine.model.llama import MLP, Attention, RMSNorm
+from eaglesrv.engine.model.rope import RotaryEmbedding
+
+
+class DraftHeadError(ValueError):
+    """The draft checkpoint is malformed or does not fit the target; the message says what."""
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    arch: ModelArch  # shape of the draft's single layer (num_layers = 1)
+    target_hidden_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...] | None  # layer *outputs* named by the checkpoint, or None
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "Eagle3Config":
+        architectures = config.get("architectures") or []
+        if architectures and architectures[0] not in ("LlamaForCausalLMEagle3", "LlamaForCausalLM"):
+            raise DraftHeadError(f"draft architecture {architectures[0]!r} is not an EAGLE-3 Llama head")
+        arch = ModelArch.from_hf_config({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+        eagle = config.get("eagle_config") or {}
+        layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            arch=arch,
+            target_hidden_size=int(config.get("target_hidden_size") or arch.hidden_size),
+            draft_vocab_size=int(config.get("draft_vocab_size") or arch.vocab_size),
+            aux_layer_ids=tuple(layer_ids) if layer_ids else None,
+        )
+
+    def capture_layers(self, target_num_layers: int) -> tuple[int, ...]:
+        """Target layers whose *inputs* feed the draft (SGLang's convention)."""
+        if self.aux_layer_ids is None:
+            return (2, target_num_layers // 2, target_num_layers - 3)
+        return tuple(i + 1 for i in self.aux_layer_ids)  # output of layer i = input of layer i + 1
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        wide = dataclasses.replace(arch, hidden_size=2 * arch.hidden_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(wide, 0, rope)  # q/k/v read 2H; o_proj writes 2H, fixed below
+        self.self_attn.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, positions, embeds, features, ctx: ForwardContext) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        h = features + self.self_attn(positions, x, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        arch = config.arch
+        self.config = config
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.fc = nn.Linear(3 * config.target_hidden_size, arch.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.midlayer = DraftLayer(arch, self.rotary_emb)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, config.draft_vocab_size, bias=False)
+        # draft id -> target id; a buffer so that it moves with the model
+        self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        features: torch.Tensor,  # [num_tokens, 3 * target_hidden] or [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens]
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns draft logits [num_tokens, draft_vocab] (float32) and the pre-norm output
+        [num_tokens, hidden] that feeds the next draft step."""
+        if features.shape[-1] != self.config.arch.hidden_size:  # the target's three layers
+            features = self.fc(features)
+        out = self.midlayer(positions, self.embed_tokens(input_ids), features, ctx)
+        return F.linear(self.norm(out), self.lm_head.weight).float(), out
+
+    # ---- weights ---------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], target_embedding: torch.Tensor) -> None:
+        """Load a checkpoint; refuse missing or mis-shaped tensors, naming them."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        d2t = None
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "t2d":
+                continue
+            if name == "d2t":
+                d2t = tensor
+                continue
+            target = _draft_param_name(name)
+            if target not in params:
+                raise DraftHeadError(f"draft checkpoint has an unexpected tensor {name!r}")
+            destination = _destination(params[target], target, name, self.config.arch)
+            if tuple(destination.shape) != tuple(tensor.shape):
+                raise DraftHeadError(
+                    f"draft tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add(name)
+        if "embed_tokens.weight" not in loaded:
+            if tuple(target_embedding.shape) != tuple(self.embed_tokens.weight.shape):
+                raise DraftHeadError(
+                    f"draft has no embed_tokens and the target's {tuple(target_embedding.shape)} does not fit "
+                    f"{tuple(self.embed_tokens.weight.shape)}"
+                )
+            self.embed_tokens.weight.copy_(target_embedding)
+            loaded.add("embed_tokens.weight")
+        missing = sorted(set(_REQUIRED) - loaded)
+        if missing:
+            raise DraftHeadError(f"draft checkpoint lacks {', '.join(missing)}")
+        self._set_vocab_map(d2t)
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int, target_embedding: torch.Tensor) -> None:
+        """A random head (tests, speed runs): correct shapes, identity vocabulary map."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_((torch.randn(param.shape, generator=generator) * 0.05).to(param.dtype))
+        self.embed_tokens.weight.copy_(target_embedding)
+        self._set_vocab_map(None)
+
+    def _set_vocab_map(self, d2t: torch.Tensor | None) -> None:
+        size = self.config.draft_vocab_size
+        offsets = torch.zeros(size, dtype=torch.long) if d2t is None else d2t.to(torch.long).cpu()
+        if offsets.shape != (size,):
+            raise DraftHeadError(f"d2t has shape {tuple(offsets.shape)}, expected ({size},)")
+        mapped = torch.arange(size) + offsets
+        if mapped.min() < 0 or mapped.max() >= self.config.arch.vocab_size:
+            raise DraftHeadError("d2t maps draft tokens outside the target vocabulary")
+        self.draft_to_target = mapped.to(self.draft_to_target.device)
+
+
+_REQUIRED = (
+    "fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _draft_param_name(name: str) -> str:
+    for part, (fused, _) in _FUSED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}.")
+    return name
+
+
+def _destination(param: torch.Tensor, target: str, name: str, arch: ModelArch) -> torch.Tensor:
+    for part, (fused, index) in _FUSED.items():
+        if f".{part}." in name:
+            if fused == "gate_up_proj":
+                sizes = [arch.intermediate_size] * 2
+            else:
+                sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+            return param.narrow(0, sum(sizes[:index]), sizes[index])
+    return param

@@ -1,0 +1,128 @@
+"""Draft-tree construction with SGLang's meaning of the three knobs.
+
+    num_steps         depth of the tree (draft expansions)
+    topk              children kept per expanded node, and width of the frontier
+    num_draft_tokens  nodes verified by the target, root included
+
+Expansion 1 takes the topk children of the root. Each later expansion gives every
+frontier node topk children (topk * topk candidates), scored by cumulative draft
+log-probability; the topk best become the next frontier. All candidates form a pool,
+and the tree is the root plus the num_draft_tokens - 1 best of the pool. A child never
+scores above its parent, and ties are broken towards earlier (shallower) pool entries,
+so every chosen node's parent is chosen too.
+
+    pool:   [ depth-1: topk ][ depth-2: topk*topk ][ depth-3: topk*topk ] ...
+    tree:   node 0 = root (last accepted token), nodes 1.. = chosen pool entries in pool order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """Trees for a batch of B requests, N nodes each (root included), in a topological order."""
+
+    tokens: torch.Tensor  # [B, N] target-vocabulary ids; column 0 is the root token
+    parents: torch.Tensor  # [B, N] index of each node's parent; -1 for the root
+    depths: torch.Tensor  # [B, N] 0 for the root
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[B, N, N] bool: node i may attend to node j (j is i or an ancestor of i)."""
+        batch, n = self.tokens.shape
+        mask = torch.eye(n, dtype=torch.bool).expand(batch, n, n).clone()
+        for i in range(1, n):  # parents precede children, so row parent(i) is complete
+            parent = self.parents[:, i]
+            mask[:, i] |= mask[torch.arange(batch), parent]
+        return mask
+
+    def children(self, row: int) -> list[list[int]]:
+        """Children of every node of request `row`, in node order."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for node, parent in enumerate(self.parents[row].tolist()):
+            if parent >= 0:
+                kids[parent].append(node)
+        return kids
+
+
+def tree_size(num_steps: int, topk: int, num_draft_tokens: int) -> int:
+    """Nodes actually verified: no more than the pool can supply, root included."""
+    pool = topk + (num_steps - 1) * topk * topk
+    return min(num_draft_tokens - 1, pool) + 1
+
+
+class TreeBuilder:
+    """Accumulates the candidate pool one expansion at a time, for B requests at once.
+
+    Pool entries are draft-vocabulary ids; `finish` maps them through `draft_to_target`.
+    """
+
+    def __init__(self, root_tokens: torch.Tensor, topk: int, num_draft_tokens: int) -> None:
+        self.root_tokens = root_tokens  # [B] target ids
+        self.topk = topk
+        self.num_draft_tokens = num_draft_tokens
+        self._scores: list[torch.Tensor] = []  # per expansion [B, m] cumulative log-probs
+        self._tokens: list[torch.Tensor] = []  # per expansion [B, m] draft ids
+        self._parents: list[torch.Tensor] = []  # per expansion [B, m] pool index of the parent (-1 root)
+        self._size = 0
+        self.frontier_pool_index: torch.Tensor | None = None  # [B, topk]
+        self.frontier_scores: torch.Tensor | None = None  # [B, topk]
+
+    def expand_root(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """logprobs [B, Vd] at the root. Returns the frontier's draft ids [B, topk]."""
+        scores, tokens = logprobs.topk(self.topk, dim=-1)
+        parents = torch.full_like(tokens, -1)
+        return self._add(scores, tokens, parents, keep=torch.arange(self.topk).expand_as(tokens))
+
+    def expand(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logprobs [B, topk, Vd] at the frontier nodes. Returns the new frontier's draft ids
+        [B, topk] and, for each, the slot of its parent in the previous frontier [B, topk]."""
+        batch = logprobs.shape[0]
+        child_scores, child_tokens = logprobs.topk(self.topk, dim=-1)  # [B, topk, topk]
+        scores = (self.frontier_scores.unsqueeze(-1) + child_scores).reshape(batch, -1)
+        parents = self.frontier_pool_index.unsqueeze(-1).expand(-1, -1, self.topk).reshape(batch, -1)
+        order = _stable_best(scores, self.topk)  # [B, topk] positions within this expansion
+        tokens = self._add(scores, child_tokens.reshape(batch, -1), parents, keep=order)
+        return tokens, order // self.topk
+
+    def finish(self, draft_to_target: torch.Tensor) -> DraftTree:
+        scores = torch.cat(self._scores, dim=1)
+        tokens = draft_to_target[torch.cat(self._tokens, dim=1)]
+        parents = torch.cat(self._parents, dim=1)
+        depths = torch.cat([torch.full_like(s, i + 1) for i, s in enumerate(self._scores)], dim=1)
+        chosen = _stable_best(scores, min(self.num_draft_tokens - 1, scores.shape[1])).sort(dim=1).values
+        batch = scores.shape[0]
+        # tree index of each pool entry: 0 (root) for -1, else 1 + its rank among the chosen
+        tree_index = torch.zeros(batch, scores.shape[1] + 1, dtype=torch.long)
+        tree_index[torch.arange(batch)[:, None], chosen + 1] = torch.arange(1, chosen.shape[1] + 1)
+        chosen_parents = parents.gather(1, chosen)
+        tree_parents = tree_index.gather(1, chosen_parents + 1)
+        if (chosen_parents >= 0).logical_and(tree_parents == 0).any():
+            raise AssertionError("a chosen draft node's parent was not chosen")
+        column = lambda t, root: torch.cat([root[:, None], t.gather(1, chosen)], dim=1)  # noqa: E731
+        return DraftTree(
+            tokens=column(tokens, self.root_tokens.to(tokens.dtype)),
+            parents=torch.cat([torch.full((batch, 1), -1, dtype=torch.long), tree_parents], dim=1),
+            depths=column(depths, torch.zeros(batch, dtype=torch.long)),
+        )
+
+    def _add(self, scores, tokens, parents, keep) -> torch.Tensor:
+        self._scores.append(scores)
+        self._tokens.append(tokens)
+        self._parents.append(parents)
+        self.frontier_pool_index = self._size + keep
+        self.frontier_scores = scores.gather(1, keep)
+        self._size += scores.shape[1]
+        return tokens.gather(1, keep)
+
+
+def _stable_best(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the `count` highest scores per row; ties go to the lower index."""
+    return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
