@@ -24,6 +24,7 @@ from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.model_runner import ModelRunner
 from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.eagle3.runner import Eagle3Runner
+from eaglesrv.engine.stats_logger import StepStatsLogger
 from eaglesrv.engine.setup import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
 from eaglesrv.kernels.attention import create_attention_backend
 from eaglesrv.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ class Engine:
                 self.runner.capture_layers,
             )
         self._seed_source = random.Random(config.model.random_seed)
+        self._stats_logger = StepStatsLogger()
         self._inbox_lock = threading.Lock()  # guards the three fields below
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
@@ -136,7 +138,26 @@ class Engine:
         if not batch.is_empty:
             outputs += self.scheduler.update(batch, self.runner.run(batch))
         self._forget_finished(outputs)
+        self._stats_logger.record(
+            sum(len(out.new_token_ids) for out in outputs), len(self.scheduler.running),
+            len(self.scheduler.waiting), self.scheduler.pages.num_used, self.scheduler.pages.num_pages,
+            self.spec_stats,
+        )
         return outputs
+
+    def stats(self) -> dict:
+        """A snapshot for /metrics and /get_server_info (read from the loop's thread)."""
+        snapshot = {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_waiting_reqs": len(self.scheduler.waiting),
+            "kv_pages_used": self.scheduler.pages.num_used,
+            "kv_pages_free": self.scheduler.pages.num_free,
+            "kv_pages_total": self.scheduler.pages.num_pages,
+            "page_size": self.kv.page_size,
+            "max_total_num_tokens": self.kv.num_tokens,
+        }
+        snapshot.update(self.spec_stats or {})
+        return snapshot
 
     @property
     def has_unfinished(self) -> bool:
@@ -151,8 +172,9 @@ class Engine:
         results: dict[str, GenerationResult] = {}
         order = []
         for prompt, p in zip(prompts, per_prompt, strict=True):
-            request_id = self.add_request(prompt, p)
-            results[request_id] = GenerationResult(request_id, self.encode(prompt))
+            token_ids = self.encode(prompt)
+            request_id = self.add_request(token_ids, p)
+            results[request_id] = GenerationResult(request_id, token_ids)
             order.append(request_id)
         pending = set(order)
         while pending:
