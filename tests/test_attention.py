@@ -56,6 +56,7 @@ def random_case(spans_shape, seed=0, custom=False):
         ([(5, 6), (0, 3), (13, 1)], False),  # prefill over a cached prefix, mixed with decode
         ([(9, 1), (3, 1), (16, 1)], False),  # pure decode
         ([(6, 5), (0, 4)], True),  # arbitrary masks (tree verification)
+        ([(6, 4), (2, 4), (5, 1), (0, 4)], True),  # equal-size trees grouped together
     ],
 )
 def test_torch_backend_matches_naive_attention(shape, custom):

@@ -1,10 +1,14 @@
-"""The pure-torch reference backend: gathers each sequence's keys into a padded batch
-and runs one masked scaled-dot-product attention. Runs everywhere; the oracle for the
-other backends.
+"""The pure-torch reference backend. Runs everywhere; the oracle for the other backends.
 
-    queries  [B, Q, H, D]   Q = most new tokens of any sequence (padding rows masked)
-    keys     [B, K, Hkv, D] K = longest sequence (padding keys masked)
-    mask     [B, 1, Q, K]   causal-with-prefix by default, or the span's custom mask
+Sequences are grouped by how many new tokens they add, and each group runs one masked
+scaled-dot-product attention over its sequences' keys gathered from the pages. Grouping
+keeps padding small: single-token decodes batch together (only their key lengths are
+padded), equal-size draft trees batch together, and a prefill chunk runs on its own
+instead of padding every decode in the step to its length.
+
+    queries  [G, Q, H, D]    the group's packed new tokens (Q = tokens per sequence)
+    keys     [G, K, Hkv, D]  K = the group's longest sequence (padding keys masked)
+    mask     [G, 1, Q, K]    causal-with-prefix, or the span's custom mask
 """
 
 from __future__ import annotations
@@ -18,61 +22,79 @@ from eaglesrv.kernels.attention.base import AttentionBackend, AttentionMetadata,
 
 
 @dataclass
+class SpanGroup:
+    query_rows: torch.Tensor  # [G, Q] rows of the packed queries
+    key_slots: torch.Tensor  # [G, K] cache slot of each key (0 where padding)
+    mask: torch.Tensor  # [G, 1, Q, K] bool, True = may attend
+
+
+@dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     new_slots: torch.Tensor  # [num_tokens] cache slot of each new token
-    key_slots: torch.Tensor  # [B, K] cache slot of each key (0 where padding)
-    query_index: torch.Tensor  # [B, Q] index into the packed queries (0 where padding)
-    query_valid: torch.Tensor  # [B, Q] bool
-    mask: torch.Tensor  # [B, 1, Q, K] bool, True = may attend
+    groups: list[SpanGroup]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, spans: list[SequenceSpan]) -> TorchAttentionMetadata:
-        cached = torch.tensor([s.num_cached for s in spans])
-        new = torch.tensor([s.num_new for s in spans])
-        total = cached + new
-        max_pages = max(len(s.page_table) for s in spans)
         if any(len(s.page_table) * self.page_size < s.num_cached + s.num_new for s in spans):
             raise ValueError("a page table is too short for its sequence")
-        page_tables = torch.tensor([s.page_table + [0] * (max_pages - len(s.page_table)) for s in spans])
-        key_pos = torch.arange(int(total.max()))  # [K]
-        key_valid = key_pos < total[:, None]  # [B, K]
-        pages = page_tables.gather(1, (key_pos // self.page_size).expand(len(spans), -1))
-        key_slots = torch.where(key_valid, pages * self.page_size + key_pos % self.page_size, 0)
-        is_new_key = key_valid & (key_pos >= cached[:, None])
-        new_slots = key_slots[is_new_key]  # row-major: packed in sequence order
-
-        query_pos = torch.arange(int(new.max()))  # [Q]
-        query_valid = query_pos < new[:, None]  # [B, Q]
-        query_index = torch.where(query_valid, (new.cumsum(0) - new)[:, None] + query_pos, 0)
-        causal = key_pos[None, None, :] <= (cached[:, None, None] + query_pos[None, :, None])
-        mask = causal & key_valid[:, None, :] & query_valid[:, :, None]  # [B, Q, K]
-        for b, span in enumerate(spans):
-            if span.custom_mask is not None:
-                mask[b, : span.num_new, : span.num_cached + span.num_new] = _checked_mask(span)
-        mask[:, :, 0] |= ~query_valid  # padding rows see one key so softmax stays finite
-        to = dict(device=self.device)
-        return TorchAttentionMetadata(
-            new_slots=new_slots.to(**to),
-            key_slots=key_slots.to(**to),
-            query_index=query_index.to(**to),
-            query_valid=query_valid.to(**to),
-            mask=mask.unsqueeze(1).to(**to),
-        )
+        first_row = torch.tensor([s.num_new for s in spans]).cumsum(0) - torch.tensor([s.num_new for s in spans])
+        by_size: dict[int, list[int]] = {}
+        for index, span in enumerate(spans):
+            by_size.setdefault(span.num_new, []).append(index)
+        new_slots = torch.empty(int(sum(s.num_new for s in spans)), dtype=torch.long)
+        groups = []
+        for size, members in by_size.items():
+            group, slots = _plan_group([spans[i] for i in members], first_row[members], size, self.page_size)
+            groups.append(_to(group, self.device))
+            for row, span, sequence_slots in zip(first_row[members].tolist(), [spans[i] for i in members], slots):
+                new_slots[row : row + size] = sequence_slots
+        return TorchAttentionMetadata(new_slots=new_slots.to(self.device), groups=groups)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
-        k_cache[metadata.new_slots] = k.to(k_cache.dtype)
-        v_cache[metadata.new_slots] = v.to(v_cache.dtype)
-        queries = q[metadata.query_index].transpose(1, 2)  # [B, H, Q, D]
-        keys = k_cache[metadata.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, K, D]
-        values = v_cache[metadata.key_slots].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=metadata.mask, scale=scale,
-            enable_gqa=queries.shape[1] != keys.shape[1],
-        )
-        return out.transpose(1, 2)[metadata.query_valid]  # [num_tokens, H, D]
+        # index_select/index_copy_ rather than advanced indexing: several times faster on the CPU.
+        k_cache.index_copy_(0, metadata.new_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, metadata.new_slots, v.to(v_cache.dtype))
+        out = torch.empty_like(q)
+        for group in metadata.groups:
+            size, length = group.query_rows.shape[1], group.key_slots.shape[1]
+            rows, slots = group.query_rows.reshape(-1), group.key_slots.reshape(-1)
+            queries = q.index_select(0, rows).view(-1, size, *q.shape[1:]).transpose(1, 2)  # [G, H, Q, D]
+            keys = k_cache.index_select(0, slots).view(-1, length, *k_cache.shape[1:]).transpose(1, 2)
+            values = v_cache.index_select(0, slots).view(-1, length, *v_cache.shape[1:]).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(
+                queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask, scale=scale,
+                enable_gqa=queries.shape[1] != keys.shape[1],
+            )
+            out.index_copy_(0, rows, attended.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        return out
+
+
+def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, page_size: int):
+    """Tensors for sequences that all add `size` tokens; also each one's new-token slots."""
+    cached = torch.tensor([s.num_cached for s in spans])
+    total = cached + size
+    max_pages = max(len(s.page_table) for s in spans)
+    page_tables = torch.tensor([s.page_table + [0] * (max_pages - len(s.page_table)) for s in spans])
+    key_pos = torch.arange(int(total.max()))  # [K]
+    key_valid = key_pos < total[:, None]  # [G, K]
+    pages = page_tables.gather(1, (key_pos // page_size).expand(len(spans), -1))
+    key_slots = torch.where(key_valid, pages * page_size + key_pos % page_size, 0)
+    query_pos = torch.arange(size)
+    mask = (key_pos[None, None, :] <= cached[:, None, None] + query_pos[None, :, None]) & key_valid[:, None, :]
+    for g, span in enumerate(spans):
+        if span.custom_mask is not None:
+            mask[g, :, : span.num_cached + size] = _checked_mask(span)
+            mask[g, :, span.num_cached + size :] = False
+    new_slots = [key_slots[g, c : c + size] for g, c in enumerate(cached.tolist())]
+    query_rows = first_rows[:, None] + query_pos[None, :]
+    return SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask.unsqueeze(1)), new_slots
+
+
+def _to(group: SpanGroup, device: torch.device) -> SpanGroup:
+    return SpanGroup(group.query_rows.to(device), group.key_slots.to(device), group.mask.to(device))
 
 
 def _checked_mask(span: SequenceSpan) -> torch.Tensor:
