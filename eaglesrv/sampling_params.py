@@ -6,6 +6,7 @@ Plain Python on purpose: the scheduler must not depend on torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -50,11 +51,15 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+        for name in floats:
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidSamplingParams(f"{name} must be a finite number, got {getattr(self, name)!r}")
         checks = [
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (disabled) or >= 0"),
+            (self.top_k == -1 or 0 <= self.top_k < 2**31, "top_k", "must be -1 (disabled) or in [0, 2**31)"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),

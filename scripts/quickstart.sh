@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up and run eaglesrv on the default model (SmolLM2-135M-Instruct) in one command.
+# Set up eaglesrv and serve the default model (SmolLM2-135M-Instruct) on 127.0.0.1:30000.
+# Extra arguments go to the launcher, e.g. --port 8000 or --model-path /path/to/model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-python -m eaglesrv.generate --prompt "What is the capital of France?" --prompt "Write a haiku about the sea." "$@"
+exec python -m eaglesrv.launch "$@"

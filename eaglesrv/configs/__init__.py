@@ -5,6 +5,7 @@ from eaglesrv.configs.engine import EngineConfig
 from eaglesrv.configs.model import ModelConfig
 from eaglesrv.configs.runtime import RuntimeConfig
 from eaglesrv.configs.scheduler import SchedulerConfig
+from eaglesrv.configs.server import ServerConfig
 from eaglesrv.configs.speculative import SpeculativeConfig
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "ModelConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "SpeculativeConfig",
 ]

@@ -90,7 +90,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         shown = f" (default: {default})" if default is not None else ""
         groups[flag.group].add_argument(
             *flag.names, dest=dest, type=flag.type, choices=flag.choices, default=default,
-            help=flag.help + shown,
+            help=flag.help + shown, metavar=None if flag.choices else flag.field.upper(),
         )
 
 

@@ -24,6 +24,7 @@ from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.model_runner import ModelRunner
 from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.eagle3.runner import Eagle3Runner
+from eaglesrv.engine.eagle3.stats import SpecStats
 from eaglesrv.engine.stats_logger import StepStatsLogger
 from eaglesrv.engine.setup import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
 from eaglesrv.kernels.attention import create_attention_backend
@@ -190,6 +191,12 @@ class Engine:
         for result in results.values():
             result.text = self.decode(result.output_token_ids) if self.tokenizer else None
         return [results[r] for r in order]
+
+    def warmup(self) -> None:
+        """One short generation, so the first real request does not pay for kernel set-up."""
+        self.generate([[0] * 4], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        if isinstance(self.runner, Eagle3Runner):
+            self.runner.stats = SpecStats(self.config.speculative.num_steps)  # count real traffic only
 
     # ---- text -----------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

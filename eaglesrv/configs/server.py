@@ -1,0 +1,101 @@
+"""The HTTP server's own settings (address, auth, limits, shutdown), with SGLang's flag names
+where SGLang has the flag.
+
+The engine's flags live in cli.py; `python -m eaglesrv.launch` adds both sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from eaglesrv.configs.errors import require
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the API process listens, whom it admits, and how it shuts down.
+
+    max_queued_requests: requests allowed to wait beyond the engine's running cap
+        (--max-running-requests); further ones are answered 503. None: no limit.
+    shutdown_timeout_s: on SIGTERM, how long in-flight requests may take to finish
+        before they are cut off.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    enable_metrics: bool = False
+    max_queued_requests: int | None = None
+    max_request_bytes: int = 32 << 20
+    shutdown_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, f"--port must be in [0, 65535], got {self.port}")
+        require(self.log_level in LOG_LEVELS,
+                f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        require(self.api_key is None or self.api_key != "", "--api-key must not be empty")
+        require(
+            self.max_queued_requests is None or self.max_queued_requests >= 0,
+            f"--max-queued-requests must be >= 0, got {self.max_queued_requests}",
+        )
+        require(self.max_request_bytes >= 1024,
+                f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        require(self.shutdown_timeout_s >= 0,
+                f"--graceful-shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+
+
+@dataclass(frozen=True)
+class _ServerFlag:
+    names: tuple[str, ...]
+    field: str  # field of ServerConfig
+    help: str
+    type: Any = None
+    choices: tuple | None = None
+    store_true: bool = False
+    metavar: str | None = None
+
+
+SERVER_FLAGS: tuple[_ServerFlag, ...] = (
+    _ServerFlag(("--host",), "host", "Address to listen on.", str, metavar="HOST"),
+    _ServerFlag(("--port",), "port", "Port to listen on.", int, metavar="PORT"),
+    _ServerFlag(("--api-key",), "api_key",
+                "Require 'Authorization: Bearer <key>' on every endpoint but /health and /metrics.", str,
+                metavar="KEY"),
+    _ServerFlag(("--log-level",), "log_level", "Logging level of both processes.", str.lower, LOG_LEVELS),
+    _ServerFlag(("--enable-metrics",), "enable_metrics", "Serve Prometheus metrics at /metrics.", store_true=True),
+    _ServerFlag(("--max-queued-requests",), "max_queued_requests",
+                "Requests allowed to queue beyond --max-running-requests; more are refused with 503.", int,
+                metavar="N"),
+    _ServerFlag(("--max-request-bytes",), "max_request_bytes", "Largest request body; larger ones get 413.", int,
+                metavar="BYTES"),
+    _ServerFlag(("--graceful-shutdown-timeout",), "shutdown_timeout_s",
+                "Seconds in-flight requests may take to finish after SIGTERM.", float, metavar="SECONDS"),
+)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Add the server flags to `parser` as one argument group."""
+    group = parser.add_argument_group("server options")
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    for flag in SERVER_FLAGS:
+        dest = f"server__{flag.field}"
+        if flag.store_true:
+            group.add_argument(*flag.names, dest=dest, action="store_true", help=flag.help)
+            continue
+        default = defaults[flag.field]
+        shown = f" (default: {default})" if default is not None else ""
+        group.add_argument(
+            *flag.names, dest=dest, type=flag.type, choices=flag.choices, default=default, help=flag.help + shown,
+            metavar=flag.metavar,
+        )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Build the validated ServerConfig from parsed flags (raises ConfigError)."""
+    return ServerConfig(**{flag.field: getattr(args, f"server__{flag.field}") for flag in SERVER_FLAGS})

@@ -1,0 +1,124 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
+from eaglesrv.server.errors import error_body
+from eaglesrv.server.formatting import (
+    SSE_DONE, SSEResponse, TokenText, chat_logprobs, new_id, now_s, parse_body, sse, until_disconnected, usage,
+)
+from eaglesrv.server.generation import ChoiceDelta, collect_choices, merge_choices, run_choice
+from eaglesrv.server.openai_protocol import ChatCompletionRequest
+from eaglesrv.server.request_prep import (
+    build_sampling_params, chat_prompt_ids, check_prompt, check_stop_token_ids, with_choice_seed,
+)
+from eaglesrv.server.state import ServerState
+
+
+def chat_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        return await ChatHandler(state, body).respond(request)
+
+    return router
+
+
+class ChatHandler:
+    """One chat request: prepare it, then answer it whole or as a stream."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest) -> None:
+        body.refuse_unsupported()
+        info = state.require_serving()
+        state.check_model(body.model)
+        tokenizer = state.require_tokenizer("chat")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        self.prompt_ids = chat_prompt_ids(tokenizer, messages)
+        check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
+        check_stop_token_ids(body.stop_token_ids, info)
+        self.top_n = (body.top_logprobs or 0) if body.logprobs else None
+        self.params = build_sampling_params(
+            info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=self.top_n,
+            min_tokens=body.min_tokens,
+        )
+        self.state = state
+        self.body = body
+        self.id = new_id("chatcmpl")
+        self.created = now_s()
+        self.model = info.model_name
+        self.token_text = TokenText(tokenizer)
+
+    def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
+        return [
+            run_choice(self.state, i, f"{self.id}-{i}", self.prompt_ids, with_choice_seed(self.params, i),
+                       self.body.stop_strings, self.body.skip_special_tokens)
+            for i in range(self.body.n)
+        ]
+
+    async def respond(self, request: Request) -> Response:
+        release = self.state.admit(self.body.n)
+        if self.body.stream:
+            return SSEResponse(self._stream(), release)
+        try:
+            results = await until_disconnected(request, collect_choices(self._runs()))
+        finally:
+            release()
+        choices = [
+            {
+                "index": r.index,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(r.logprobs, self.token_text, self.top_n) if self.top_n is not None else None,
+                "finish_reason": r.finish_reason,
+                "matched_stop": r.matched_stop,
+            }
+            for r in results
+        ]
+        return JSONResponse({
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "choices": choices, "usage": usage(len(self.prompt_ids), sum(r.num_output_tokens for r in results)),
+        })
+
+    async def _stream(self) -> AsyncIterator[str]:
+        include_usage = self.body.include_usage
+        completion_tokens: dict[int, int] = {}
+        try:
+            for i in range(self.body.n):
+                yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None})
+            async with aclosing(merge_choices(self._runs())) as deltas:
+                async for d in deltas:
+                    completion_tokens[d.index] = d.num_output_tokens
+                    has_logprobs = self.top_n is not None and d.logprobs
+                    if not (d.text or has_logprobs or d.finish_reason):
+                        continue  # text held back (partial character or possible stop string)
+                    yield self._chunk({
+                        "index": d.index,
+                        "delta": {"content": d.text} if d.text else {},
+                        "logprobs": chat_logprobs(d.logprobs, self.token_text, self.top_n) if has_logprobs else None,
+                        "finish_reason": d.finish_reason,
+                    })
+            if include_usage:
+                yield sse({**self._envelope(), "choices": [],
+                           "usage": usage(len(self.prompt_ids), sum(completion_tokens.values()))})
+        except (EngineDeadError, RequestRejectedError) as exc:
+            yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        yield SSE_DONE
+
+    def _envelope(self) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+
+    def _chunk(self, choice: dict) -> str:
+        payload = {**self._envelope(), "choices": [choice]}
+        if self.body.include_usage:
+            payload["usage"] = None
+        return sse(payload)

@@ -1,0 +1,151 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
+from eaglesrv.server.errors import error_body
+from eaglesrv.server.formatting import (
+    SSE_DONE, SSEResponse, TokenText, completion_logprobs, new_id, now_s, parse_body, sse, until_disconnected, usage,
+)
+from eaglesrv.server.generation import ChoiceDelta, collect_choices, merge_choices, run_choice
+from eaglesrv.server.openai_protocol import CompletionRequest
+from eaglesrv.server.request_prep import (
+    build_sampling_params, check_prompt, check_stop_token_ids, completion_prompts, with_choice_seed,
+)
+from eaglesrv.server.state import ServerState
+
+
+def completions_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        return await CompletionHandler(state, body).respond(request)
+
+    return router
+
+
+class CompletionHandler:
+    """One completions request: n choices for each of its prompts.
+
+    Choice index = prompt_index * n + i, as in OpenAI's API.
+    """
+
+    def __init__(self, state: ServerState, body: CompletionRequest) -> None:
+        body.refuse_unsupported()
+        info = state.require_serving()
+        state.check_model(body.model)
+        self.prompts = completion_prompts(body.prompt, state.tokenizer)
+        for prompt_ids in self.prompts:
+            check_prompt(prompt_ids, info, body.output_limit, param="prompt")
+        check_stop_token_ids(body.stop_token_ids, info)
+        self.params = build_sampling_params(
+            info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=body.logprobs,
+            min_tokens=body.min_tokens,
+        )
+        self.state = state
+        self.body = body
+        self.id = new_id("cmpl")
+        self.created = now_s()
+        self.model = info.model_name
+        self.token_text = TokenText(state.tokenizer)
+        self.num_choices = len(self.prompts) * body.n
+
+    def _prompt_text(self, index: int) -> str:
+        """What echo puts before choice `index`'s text: its prompt, as text."""
+        if not self.body.echo:
+            return ""
+        prompt = self.body.prompt
+        prompt_index = index // self.body.n
+        if isinstance(prompt, str):
+            return prompt
+        if all(isinstance(p, str) for p in prompt):
+            return prompt[prompt_index]
+        if self.state.tokenizer is None:
+            return ""
+        skip = self.body.skip_special_tokens
+        return self.state.tokenizer.decode(self.prompts[prompt_index], skip_special_tokens=skip)
+
+    def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
+        n = self.body.n
+        return [
+            run_choice(self.state, p * n + i, f"{self.id}-{p * n + i}", prompt_ids, with_choice_seed(self.params, i),
+                       self.body.stop_strings, self.body.skip_special_tokens)
+            for p, prompt_ids in enumerate(self.prompts)
+            for i in range(n)
+        ]
+
+    def _logprobs(self, delta_logprobs, text_offset: int):
+        if self.body.logprobs is None:
+            return None
+        return completion_logprobs(delta_logprobs, self.token_text, self.body.logprobs, text_offset)
+
+    @property
+    def _prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    async def respond(self, request: Request) -> Response:
+        release = self.state.admit(self.num_choices)
+        if self.body.stream:
+            return SSEResponse(self._stream(), release)
+        try:
+            results = await until_disconnected(request, collect_choices(self._runs()))
+        finally:
+            release()
+        choices = []
+        for r in results:
+            prefix = self._prompt_text(r.index)
+            choices.append({
+                "index": r.index, "text": prefix + r.text,
+                "logprobs": self._logprobs(r.logprobs, len(prefix)),
+                "finish_reason": r.finish_reason, "matched_stop": r.matched_stop,
+            })
+        return JSONResponse({
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+            "choices": choices, "usage": usage(self._prompt_tokens, sum(r.num_output_tokens for r in results)),
+        })
+
+    async def _stream(self) -> AsyncIterator[str]:
+        completion_tokens: dict[int, int] = {}
+        offsets = {i: len(self._prompt_text(i)) for i in range(self.num_choices)}
+        try:
+            if self.body.echo:
+                for i in range(self.num_choices):
+                    echo = {"index": i, "text": self._prompt_text(i), "logprobs": None, "finish_reason": None}
+                    yield self._chunk(echo)
+            async with aclosing(merge_choices(self._runs())) as deltas:
+                async for d in deltas:
+                    completion_tokens[d.index] = d.num_output_tokens
+                    has_logprobs = self.body.logprobs is not None and d.logprobs
+                    if not (d.text or has_logprobs or d.finish_reason):
+                        continue  # text held back (partial character or possible stop string)
+                    yield self._chunk({
+                        "index": d.index, "text": d.text,
+                        "logprobs": self._logprobs(d.logprobs, offsets[d.index]) if has_logprobs else None,
+                        "finish_reason": d.finish_reason,
+                    })
+                    offsets[d.index] += len(d.text)
+            if self.body.include_usage:
+                yield sse({**self._envelope(), "choices": [],
+                           "usage": usage(self._prompt_tokens, sum(completion_tokens.values()))})
+        except (EngineDeadError, RequestRejectedError) as exc:
+            yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        yield SSE_DONE
+
+    def _envelope(self) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model}
+
+    def _chunk(self, choice: dict) -> str:
+        payload = {**self._envelope(), "choices": [choice]}
+        if self.body.include_usage:
+            payload["usage"] = None
+        return sse(payload)

@@ -1,0 +1,237 @@
+"""The API process's handle on the engine process.
+
+    client = EngineClient.spawn(engine_config, "info")   # inside a running event loop
+    info, tokenizer = await client.wait_ready()
+    async with aclosing(client.stream(token_ids, params, request_id)) as outputs:
+        async for out in outputs: ...                     # EngineOutput per step
+
+Two threads touch the pipes, so the event loop never blocks on them: a reader blocks on
+the engine's pipe and hands each message to the event loop, and a writer sends what the
+loop queued (a long prompt can exceed the pipe's buffer, and the engine reads only
+between steps). The stream table and futures live on the event loop thread alone.
+Leaving a stream early (client gone, stop string matched, task cancelled) sends
+AbortRequest, so the engine frees the request's pages at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import pickle
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from eaglesrv.configs import EngineConfig
+from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.server import engine_protocol as msg
+from eaglesrv.server.engine_process import engine_process_main
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process could not load the model; the message says why."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has stopped; no more requests can be served."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused the request (e.g. it can never fit); the message says why."""
+
+
+class EngineClient:
+    def __init__(self, process, to_engine, from_engine, loop: asyncio.AbstractEventLoop) -> None:
+        self._process = process
+        self._to_engine = to_engine
+        self._from_engine = from_engine
+        self._loop = loop
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # messages for the writer thread; None ends it
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count()
+        self._ready: asyncio.Future = loop.create_future()
+        self.dead_reason: str | None = None  # set once the engine process is gone
+        self.on_death: Callable[[str], None] | None = None  # called once, on the loop thread
+        self._closing = False
+        self._loaded = False  # EngineReady arrived: the process reads its inbox
+        self._reader = threading.Thread(target=self._read_loop, name="eaglesrv-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name="eaglesrv-engine-writer", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, log_level: str = "info") -> "EngineClient":
+        """Start the engine process (it loads the model in the background)."""
+        ctx = multiprocessing.get_context("spawn")  # no fork: torch and threads do not survive it
+        engine_inbox, to_engine = ctx.Pipe(duplex=False)
+        from_engine, engine_outbox = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=engine_process_main, args=(config, log_level, engine_inbox, engine_outbox),
+            name="eaglesrv-engine", daemon=True,
+        )
+        process.start()
+        # Our copies of the engine's ends must go, or we would never see EOF when it dies.
+        engine_inbox.close()
+        engine_outbox.close()
+        return cls(process, to_engine, from_engine, asyncio.get_running_loop())
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def wait_ready(self) -> tuple[msg.EngineInfo, object | None]:
+        """The engine's facts and tokenizer, once loaded. Raises EngineStartupError."""
+        ready: msg.EngineReady = await asyncio.shield(self._ready)
+        tokenizer = pickle.loads(ready.tokenizer_pickle) if ready.tokenizer_pickle is not None else None
+        return ready.info, tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
+
+    def shutdown(self, timeout_s: float = 10.0) -> int | None:
+        """Ask the engine process to exit, wait for it, kill it if it does not; its exit code.
+
+        Blocks (call it from a thread when the event loop must keep running).
+        """
+        self._closing = True
+        if self._process.is_alive() and self._loaded:
+            self._send(msg.Shutdown())
+            self._process.join(timeout_s)
+        elif self._process.is_alive():
+            self._process.join(min(timeout_s, 1.0))  # a start-up failure is on its way out already
+        if self._process.is_alive():
+            if self._loaded:
+                logger.warning("engine process did not exit within %.0f s; killing it", timeout_s)
+            self._process.kill()  # still loading: it holds no requests, and would not read Shutdown yet
+            self._process.join(5.0)
+        self._outgoing.put(None)
+        self._writer.join(5.0)
+        self._to_engine.close()
+        return self._process.exitcode
+
+    # ---- requests -----------------------------------------------------------------------
+    async def stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[msg.EngineOutput]:
+        """Yield the request's outputs until it finishes; raises RequestRejectedError or EngineDeadError.
+
+        Use it under contextlib.aclosing, so that leaving early aborts at once.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
+        if request_id in self._streams:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = inbox
+        finished = False
+        try:
+            self._send(msg.AddRequest(request_id, list(prompt_token_ids), params))
+            while not finished:
+                item = await inbox.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it, or is gone
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.is_alive:
+                self._send(msg.AbortRequest(request_id))
+
+    def abort(self, request_id: str) -> None:
+        if self.is_alive:
+            self._send(msg.AbortRequest(request_id))
+
+    async def stats(self, timeout_s: float = 10.0) -> msg.EngineStats:
+        """A fresh scheduler snapshot from the engine process (taken between two steps)."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
+        query_id = next(self._query_ids)
+        future = self._loop.create_future()
+        self._stats_waiters[query_id] = future
+        try:
+            self._send(msg.StatsQuery(query_id))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._stats_waiters.pop(query_id, None)
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def _send(self, message) -> None:
+        self._outgoing.put(message)
+
+    def _write_loop(self) -> None:
+        """Writer thread: send queued messages in order, blocking here rather than on the loop."""
+        while (message := self._outgoing.get()) is not None:
+            try:
+                self._to_engine.send(message)
+            except (OSError, ValueError) as exc:  # broken pipe or closed handle: the engine is gone
+                self._call_on_loop(self._mark_dead, f"cannot reach the engine process ({exc})")
+                return
+
+    def _read_loop(self) -> None:
+        """Reader thread: block on the pipe, hand every message to the event loop."""
+        while True:
+            try:
+                message = self._from_engine.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # noqa: BLE001 - an unreadable message must not kill the reader
+                logger.exception("unreadable message from the engine process")
+                continue
+            self._call_on_loop(self._dispatch, message)
+        self._process.join(5.0)
+        code = self._process.exitcode
+        self._call_on_loop(self._mark_dead, f"the engine process exited (exit code {code})")
+
+    def _call_on_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # the event loop is closed: the server is gone already
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, msg.StepOutputs):
+            for out in message.outputs:
+                inbox = self._streams.get(out.request_id)
+                if inbox is not None:
+                    inbox.put_nowait(out)
+        elif isinstance(message, msg.RequestRejected):
+            inbox = self._streams.get(message.request_id)
+            if inbox is not None:
+                inbox.put_nowait(RequestRejectedError(message.message))
+        elif isinstance(message, msg.StatsReply):
+            future = self._stats_waiters.get(message.query_id)
+            if future is not None and not future.done():
+                future.set_result(message.stats)
+        elif isinstance(message, msg.EngineReady):
+            self._loaded = True
+            if not self._ready.done():
+                self._ready.set_result(message)
+        elif isinstance(message, msg.StartupFailed):
+            self._fail_startup(message.message)
+        elif isinstance(message, msg.EngineFailed):
+            self._mark_dead(f"the engine failed: {message.message}")
+
+    def _fail_startup(self, reason: str) -> None:
+        if not self._ready.done():
+            self._ready.set_exception(EngineStartupError(reason))
+            self._ready.exception()  # retrieved here too, so asyncio does not warn if nobody waits
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        self._fail_startup(reason)
+        if not self._closing:
+            logger.error("%s", reason)
+        error = EngineDeadError(f"the engine has stopped: {reason}")
+        for inbox in self._streams.values():
+            inbox.put_nowait(error)
+        for future in self._stats_waiters.values():
+            if not future.done():
+                future.set_exception(error)
+        if self.on_death is not None and not self._closing:
+            self.on_death(reason)

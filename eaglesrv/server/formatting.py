@@ -1,0 +1,143 @@
+"""HTTP plumbing shared by the endpoints: body parsing, ids, usage, logprobs in OpenAI's
+two shapes, server-sent events, and running a handler until the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from eaglesrv.server.engine_protocol import WireLogprob
+from eaglesrv.server.errors import APIError, bad_request, from_validation_error
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class SSEResponse(StreamingResponse):
+    """A server-sent-event stream that gives back its admission slots however it ends.
+
+    The release lives here, not in the generator: a client gone before the first byte
+    means the generator never starts, and its own `finally` would never run.
+    """
+
+    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TokenText:
+    """Token id -> the text OpenAI shows for it in logprobs (a lone token's decoding)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        return self._tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(logprobs: Sequence[WireLogprob], token_text: TokenText, top_n: int) -> dict[str, Any]:
+    """Chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    content = []
+    for token_id, logprob, top in logprobs:
+        item = token_text.entry(token_id, logprob)
+        item["top_logprobs"] = [token_text.entry(t, lp) for t, lp in top[:top_n]]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(
+    logprobs: Sequence[WireLogprob], token_text: TokenText, top_n: int, text_offset: int = 0
+) -> dict[str, Any]:
+    """Completions shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, logprob, top in logprobs:
+        text = token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        tops.append({token_text(t): lp for t, lp in top[:top_n]})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (non-streamed requests).
+
+    Cancelling closes the choices' engine streams, which aborts their engine requests.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            # Nobody will read this answer; 499 is what proxies log for "client closed".
+            raise APIError(499, "the client disconnected")
+        return task.result()
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body validated as `model`; 400 (not FastAPI's 422) for anything wrong with it."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None

@@ -1,0 +1,197 @@
+"""SGLang's native API: POST /generate, GET /get_server_info, GET /get_model_info,
+POST /flush_cache; enough for SGLang's bench_serving with --backend sglang.
+
+/generate streams events whose "text" is all the text so far (SGLang's convention), with
+meta_info.completion_tokens, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+import eaglesrv
+from eaglesrv.configs.cli import ENGINE_FLAGS
+from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
+from eaglesrv.server.errors import bad_request, error_body
+from eaglesrv.server.formatting import SSE_DONE, SSEResponse, new_id, parse_body, sse, until_disconnected
+from eaglesrv.server.generation import ChoiceDelta, ChoiceResult, collect_choices, merge_choices, run_choice
+from eaglesrv.server.request_prep import build_sampling_params, check_prompt, check_stop_token_ids, completion_prompts
+from eaglesrv.server.state import ServerState
+
+
+class NativeSamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    max_new_tokens: int | None = 128  # SGLang's default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_new_tokens: int = Field(0, ge=0)
+    sampling_seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # lora_path, logprob_start_len, ... are accepted and unused
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+
+
+def native_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await parse_body(request, GenerateRequest)
+        return await GenerateHandler(state, body).respond(request)
+
+    @router.get("/get_server_info")
+    async def get_server_info() -> Response:
+        info = state.require_serving()
+        stats = await state.client.stats()
+        internal = {
+            # bench_serving prints "Accept length" from this; None when speculation is off.
+            "avg_spec_accept_length": None,
+            **(stats.speculation or {}),
+            "num_running_reqs": stats.num_running,
+            "num_waiting_reqs": stats.num_waiting,
+            "kv_pages_used": stats.kv_pages_used,
+            "kv_pages_free": stats.kv_pages_free,
+            "kv_pages_total": stats.kv_pages_total,
+            "page_size": stats.page_size,
+            "token_usage": stats.kv_pages_used / max(stats.kv_pages_total, 1),
+        }
+        return JSONResponse({
+            **_flag_values(state), "served_model_name": info.model_name, "context_length": info.max_context_len,
+            "max_total_num_tokens": info.num_pages * info.page_size, "dtype": info.dtype, "device": info.device,
+            "version": eaglesrv.__version__, "internal_states": [internal],
+        })
+
+    @router.get("/get_model_info")
+    async def get_model_info() -> Response:
+        info = state.require_serving()
+        return JSONResponse({"model_path": info.model_path or info.model_name, "tokenizer_path": info.tokenizer_path,
+                             "is_generation": True})
+
+    @router.post("/flush_cache")
+    async def flush_cache() -> Response:
+        # No prefix cache yet, so there is nothing to flush; answered for bench_serving.
+        return Response("Cache flushed.\n", media_type="text/plain")
+
+    return router
+
+
+def _flag_values(state: ServerState) -> dict:
+    """The effective settings under SGLang's server-arg names (no secrets)."""
+    values = {}
+    for flag in ENGINE_FLAGS:
+        group = getattr(state.engine_config, flag.group)
+        values[flag.names[0].removeprefix("--").replace("-", "_")] = getattr(group, flag.field)
+    server = state.server_config
+    values.update(host=server.host, port=server.port, log_level=server.log_level,
+                  enable_metrics=server.enable_metrics, max_queued_requests=server.max_queued_requests)
+    return values
+
+
+class GenerateHandler:
+    def __init__(self, state: ServerState, body: GenerateRequest) -> None:
+        info = state.require_serving()
+        if (body.text is None) == (body.input_ids is None):
+            raise bad_request("give exactly one of text and input_ids", param="text")
+        self.batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
+        self.prompts = completion_prompts(body.text if body.text is not None else body.input_ids, state.tokenizer)
+        sp = body.sampling_params
+        for prompt_ids in self.prompts:
+            check_prompt(prompt_ids, info, sp.max_new_tokens, param="text" if body.text is not None else "input_ids")
+        check_stop_token_ids(sp.stop_token_ids, info)
+        self.params = build_sampling_params(
+            info, max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+            min_tokens=sp.min_new_tokens,
+            logprobs=body.top_logprobs_num if body.return_logprob else None,
+        )
+        self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
+        if any(not s for s in self.stop_strings):
+            raise bad_request("stop strings must not be empty", param="sampling_params.stop")
+        self.state = state
+        self.body = body
+        self.id = new_id("gen")
+        self.started = time.monotonic()
+
+    def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
+        skip = self.body.sampling_params.skip_special_tokens
+        return [run_choice(self.state, i, f"{self.id}-{i}", ids, self.params, self.stop_strings, skip)
+                for i, ids in enumerate(self.prompts)]
+
+    async def respond(self, request: Request) -> Response:
+        release = self.state.admit(len(self.prompts))
+        if self.body.stream:
+            return SSEResponse(self._stream(), release)
+        try:
+            results = await until_disconnected(request, collect_choices(self._runs()))
+        finally:
+            release()
+        items = [self._item(r) for r in results]
+        return JSONResponse(items if self.batched else items[0])
+
+    async def _stream(self) -> AsyncIterator[str]:
+        results: dict[int, ChoiceResult] = {}
+        try:
+            async with aclosing(merge_choices(self._runs())) as deltas:
+                async for d in deltas:
+                    result = results.setdefault(d.index, ChoiceResult(d.index))
+                    result.add(d)
+                    if d.text or d.finish_reason or (self.body.return_logprob and d.logprobs):
+                        yield sse(self._item(result, streaming=True))
+        except (EngineDeadError, RequestRejectedError) as exc:
+            yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        yield SSE_DONE
+
+    def _item(self, r: ChoiceResult, streaming: bool = False) -> dict:
+        meta = {
+            "id": f"{self.id}-{r.index}",
+            "finish_reason": _finish_reason(r),
+            "prompt_tokens": r.num_prompt_tokens,
+            "completion_tokens": r.num_output_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - self.started,
+        }
+        if self.body.return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for tok, lp, _ in r.logprobs]
+            meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in top] for _, _, top in r.logprobs]
+        item = {"text": r.text, "meta_info": meta}
+        if not streaming:  # streamed events would repeat every id so far
+            item["output_ids"] = r.token_ids
+        if self.batched:
+            item["index"] = r.index
+        return item
+
+
+def _finish_reason(r: ChoiceResult) -> dict | None:
+    """SGLang's shape: {"type": "stop", "matched": ...} or {"type": "length", "length": n}."""
+    if r.finish_reason is None:
+        return None
+    if r.finish_reason == "length":
+        return {"type": "length", "length": r.num_output_tokens}
+    if r.finish_reason == "stop":
+        return {"type": "stop", "matched": r.matched_stop}
+    return {"type": r.finish_reason}

@@ -1,0 +1,138 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Only the request side is modelled: the shapes of responses are built as plain dicts in
+the endpoint modules, next to the code that fills them. Unknown fields are ignored (as
+OpenAI's own server does for forward compatibility); fields we know but cannot honour
+(tools, logit_bias, ...) are refused with 400 by `refuse_unsupported`, never dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from eaglesrv.server.errors import bad_request
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    # NaN and Infinity parse as JSON numbers in Python; no sampling field means anything with them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields chat and completions share. None means "the default" throughout."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM, SGLang)
+    min_p: float | None = None  # extension
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    ignore_eos: bool = False  # extension
+    min_tokens: int = Field(0, ge=0)  # extension
+    skip_special_tokens: bool = True  # extension
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def refuse_unsupported(self) -> None:
+        _refuse_common(self)
+        if self.tools:
+            raise bad_request("tools are not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported by this server", param="tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    def refuse_unsupported(self) -> None:
+        _refuse_common(self)
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", param="best_of")
+        if self.echo and self.logprobs is not None:
+            # Needs the prompt's logprobs, which the engine does not compute yet.
+            raise bad_request("echo together with logprobs is not supported yet", param="echo")
+
+
+def _refuse_common(request: SamplingFields) -> None:
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+    if isinstance(request.stop, list) and any(not s for s in request.stop):
+        raise bad_request("stop strings must not be empty", param="stop")
+    if request.stop == "":
+        raise bad_request("stop strings must not be empty", param="stop")

@@ -1,0 +1,173 @@
+"""The HTTP layer in-process, on a scripted fake engine: phases (loading, draining, dead
+engine), overload, body limits, and that leaving a request aborts its engine request.
+
+No model and no subprocess, so these run in about a second."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from eaglesrv.configs import EngineConfig, ServerConfig
+from eaglesrv.server.app import build_app
+from eaglesrv.server.engine_client import EngineDeadError
+from eaglesrv.server.engine_protocol import EngineInfo, EngineOutput, EngineStats
+from eaglesrv.server.state import ServerState
+from server_fixtures import byte_level_tokenizer
+
+INFO = EngineInfo(model_name="fake", model_path=None, tokenizer_path=None, max_context_len=64, vocab_size=300,
+                  eos_token_ids=(0,), page_size=16, num_pages=8, max_running_requests=1, dtype="float32", device="cpu")
+
+
+class FakeEngineClient:
+    """Answers every request with `script` (token ids, one per step), after `gate` opens."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.dead_reason: str | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None
+
+    async def stream(self, prompt_ids, params, request_id):
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason)
+        self.added.append(request_id)
+        finished = False
+        try:
+            await self.gate.wait()
+            limit = min(len(self.script), params.max_tokens or len(self.script))
+            for k in range(limit):
+                finished = k == limit - 1
+                yield EngineOutput(request_id, [self.script[k]], len(prompt_ids), k + 1, "length" if finished else None)
+                await asyncio.sleep(0)
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 8, 8, 0, 16, 0)
+
+
+def make_app(script: list[int], ready: bool = True, **server_fields):
+    tokenizer = byte_level_tokenizer()
+    client = FakeEngineClient(script)
+    state = ServerState(ServerConfig(**server_fields), EngineConfig(), client)
+    if ready:
+        state.set_ready(INFO, tokenizer)
+    return build_app(state), state, client, tokenizer
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def http_client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def test_phases_answer_503_with_the_reason():
+    async def main():
+        app, state, client, _ = make_app([5], ready=False)
+        async with http_client(app) as http:
+            loading = await http.get("/health")
+            state.set_ready(INFO, None)
+            serving = await http.get("/health")
+            state.draining = True
+            draining = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+            state.draining = False
+            client.dead_reason = "exit code 1"
+            dead = await http.get("/health")
+        return loading, serving, draining, dead
+
+    loading, serving, draining, dead = run(main())
+    assert loading.status_code == 503 and "loading" in loading.json()["error"]["message"]
+    assert serving.status_code == 200
+    assert draining.status_code == 503 and "shutting down" in draining.json()["error"]["message"]
+    assert dead.status_code == 503 and "exit code 1" in dead.json()["error"]["message"]
+
+
+def test_overload_is_503_and_slots_come_back():
+    async def main():
+        app, state, client, tokenizer = make_app([5, 6], max_queued_requests=0)  # 1 running + 0 queued
+        client.gate.clear()
+        async with http_client(app) as http:
+            first = asyncio.create_task(http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}))
+            while not client.added:
+                await asyncio.sleep(0.01)
+            refused = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            client.gate.set()
+            accepted = await first
+            again = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        return refused, accepted, again
+
+    refused, accepted, again = run(main())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+    assert accepted.status_code == 200 and again.status_code == 200
+
+
+def test_stop_string_match_aborts_the_engine_request():
+    async def main():
+        app, state, client, tokenizer = make_app([])
+        client.script = tokenizer.encode("hello world, hello there")
+        async with http_client(app) as http:
+            response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "stop": [", h"]})
+        return response, client
+
+    response, client = run(main())
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "hello world" and choice["finish_reason"] == "stop"
+    assert client.aborted == client.added  # the engine was told to stop at once
+
+
+def test_chunked_body_over_the_limit_is_413():
+    async def main():
+        app, *_ = make_app([5], max_request_bytes=2048)
+
+        async def body():
+            for _ in range(10):
+                yield b" " * 512  # no Content-Length: the limit is enforced while reading
+
+        async with http_client(app) as http:
+            return await http.post("/v1/completions", content=body(), headers={"Content-Type": "application/json"})
+
+    response = run(main())
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+def test_dead_engine_mid_stream_ends_the_stream_with_an_error_event():
+    async def main():
+        app, state, client, _ = make_app([5, 6, 7])
+
+        async def dying_stream(prompt_ids, params, request_id):
+            yield EngineOutput(request_id, [5], len(prompt_ids), 1, None)
+            raise EngineDeadError("the engine has stopped: boom")
+
+        client.stream = dying_stream
+        async with http_client(app) as http:
+            return await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 3, "stream": True})
+
+    response = run(main())
+    assert response.status_code == 200
+    assert '"error"' in response.text and "boom" in response.text and response.text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])
+def test_api_key_is_checked_in_constant_time_and_health_is_open(path):
+    async def main():
+        app, *_ = make_app([5], api_key="sekrit")
+        async with http_client(app) as http:
+            return (await http.post(path, json={}), await http.get("/health"),
+                    await http.post(path, json={}, headers={"Authorization": "Bearer sekrit"}))
+
+    denied, health, admitted = run(main())
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert health.status_code == 200
+    assert admitted.status_code == 400  # past the key check: the empty body is the problem now

@@ -1,0 +1,99 @@
+"""The engine process and its client, on the tiny random Llama: same tokens as the
+in-process engine, abort frees pages, start-up failures and engine death are reported."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from contextlib import aclosing
+
+import pytest
+
+from conftest import engine_config
+from engine_helpers import random_prompts
+from eaglesrv.engine.llm_engine import Engine
+from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.server.engine_client import EngineClient, EngineDeadError, EngineStartupError, RequestRejectedError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+async def _collect(client: EngineClient, prompt, params, request_id) -> list:
+    async with aclosing(client.stream(prompt, params, request_id)) as outputs:
+        return [out async for out in outputs]
+
+
+def test_streams_match_the_in_process_engine_and_abort_frees_pages(tiny_llama_dir):
+    prompts = random_prompts((5, 17, 30), 256, seed=3)
+    expected = Engine(engine_config(tiny_llama_dir)).generate(prompts, GREEDY)
+
+    async def main():
+        client = EngineClient.spawn(engine_config(tiny_llama_dir), "warning")
+        try:
+            info, tokenizer = await client.wait_ready()
+            assert tokenizer is None and info.vocab_size == 256 and info.max_context_len == 512
+            runs = await asyncio.gather(*(_collect(client, p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
+            before = await client.stats()
+            long_params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            async with aclosing(client.stream(prompts[0], long_params, "long")) as outputs:
+                async for out in outputs:
+                    if out.num_output_tokens >= 3:
+                        break  # leaving aborts the request
+            after = before
+            for _ in range(100):
+                after = await client.stats()
+                if after.num_running == 0 and after.kv_pages_free == before.kv_pages_free:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(RequestRejectedError, match="limit is"):
+                await _collect(client, [5] * 600, GREEDY, "too-long")
+            return runs, before, after
+        finally:
+            assert client.shutdown() == 0
+
+    runs, before, after = asyncio.run(main())
+    for outputs, want in zip(runs, expected):
+        assert [t for out in outputs for t in out.new_token_ids] == want.output_token_ids
+        assert outputs[-1].finish_reason == "length" and not any(o.finished for o in outputs[:-1])
+        logprobs = [lp for out in outputs for lp in out.new_logprobs]
+        assert [lp[0] for lp in logprobs] == want.output_token_ids and all(len(lp[2]) == 2 for lp in logprobs)
+    assert before.kv_pages_free == before.kv_pages_total and before.num_running == 0
+    assert (after.kv_pages_free, after.num_running, after.num_waiting) == (before.kv_pages_free, 0, 0)
+
+
+def test_start_up_failure_is_reported_not_hung(tmp_path):
+    async def main():
+        client = EngineClient.spawn(engine_config(str(tmp_path / "missing")), "critical")
+        try:
+            with pytest.raises(EngineStartupError, match="does not exist"):
+                await asyncio.wait_for(client.wait_ready(), 120)
+        finally:
+            assert client.shutdown() == 1
+
+    asyncio.run(main())
+
+
+def test_engine_death_fails_open_streams_and_calls_on_death(tiny_llama_dir):
+    async def main():
+        client = EngineClient.spawn(engine_config(tiny_llama_dir), "critical")
+        deaths: list[str] = []
+        client.on_death = deaths.append
+        try:
+            await client.wait_ready()
+            params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            with pytest.raises(EngineDeadError):
+                async with aclosing(client.stream([1, 2, 3], params, "doomed")) as outputs:
+                    async for _ in outputs:
+                        os.kill(client._process.pid, signal.SIGKILL)  # the test's own child
+            for _ in range(100):
+                if deaths:
+                    break
+                await asyncio.sleep(0.05)
+            assert not client.is_alive and deaths and "exit code -9" in deaths[0]
+            with pytest.raises(EngineDeadError):
+                await client.stats()
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())

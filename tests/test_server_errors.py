@@ -1,0 +1,109 @@
+"""Bad requests against a live server: each gets the right status and OpenAI's error
+envelope, and afterwards the server is healthy, still answers, and has leaked no KV pages."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from server_fixtures import CONTEXT_LENGTH, LiveServer, http, live_server  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "Hi"}]
+LONG_PROMPT = "hello " * (CONTEXT_LENGTH + 50)
+
+
+def chat(**fields) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "messages": MESSAGES, "max_tokens": 4, **fields}
+
+
+# (name, method, path, body (dict, or raw str/bytes), headers, status, error param or None)
+BAD_REQUESTS = [
+    ("malformed json", "POST", CHAT, '{"messages": [', None, 400, None),
+    ("body not an object", "POST", CHAT, "[1, 2]", None, 400, None),
+    ("messages missing", "POST", CHAT, {"model": "SmolLM2-135M-Instruct"}, None, 400, "messages"),
+    ("messages empty", "POST", CHAT, chat(messages=[]), None, 400, "messages"),
+    ("messages wrong type", "POST", CHAT, chat(messages="hello"), None, 400, "messages"),
+    ("unknown role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), None, 400, None),
+    ("temperature wrong type", "POST", CHAT, chat(temperature="hot"), None, 400, "temperature"),
+    ("temperature negative", "POST", CHAT, chat(temperature=-1), None, 400, "temperature"),
+    ("temperature NaN", "POST", CHAT, '{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', None,
+     400, "temperature"),
+    ("top_p out of range", "POST", CHAT, chat(top_p=1.5), None, 400, "top_p"),
+    ("n zero", "POST", CHAT, chat(n=0), None, 400, "n"),
+    ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), None, 400, "max_tokens"),
+    ("max_tokens beyond context", "POST", CHAT, chat(max_tokens=CONTEXT_LENGTH), None, 400, "max_tokens"),
+    ("top_logprobs too many", "POST", CHAT, chat(logprobs=True, top_logprobs=50), None, 400, "top_logprobs"),
+    ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=3), None, 400, "presence_penalty"),
+    ("empty stop string", "POST", CHAT, chat(stop=[""]), None, 400, "stop"),
+    ("tools unsupported", "POST", CHAT, chat(tools=[{"type": "function"}]), None, 400, "tools"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-4o"), None, 404, "model"),
+    ("over-long prompt", "POST", COMPLETIONS, {"prompt": LONG_PROMPT, "max_tokens": 4}, None, 400, "prompt"),
+    ("over-long chat", "POST", CHAT, chat(messages=[{"role": "user", "content": LONG_PROMPT}]), None, 400, "messages"),
+    ("token id outside vocab", "POST", COMPLETIONS, {"prompt": [1, 2, 10**9], "max_tokens": 4}, None, 400, "prompt"),
+    ("negative token id", "POST", COMPLETIONS, {"prompt": [-5], "max_tokens": 4}, None, 400, "prompt"),
+    ("empty prompt", "POST", COMPLETIONS, {"prompt": "", "max_tokens": 4}, None, 400, "prompt"),
+    ("empty prompt list", "POST", COMPLETIONS, {"prompt": [], "max_tokens": 4}, None, 400, "prompt"),
+    ("prompt wrong type", "POST", COMPLETIONS, {"prompt": {"a": 1}}, None, 400, "prompt"),
+    ("echo with logprobs", "POST", COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, None, 400, "echo"),
+    ("generate without input", "POST", "/generate", {"sampling_params": {}}, None, 400, None),
+    ("generate bad params", "POST", "/generate", {"text": "x", "sampling_params": {"temperature": -2}}, None, 400,
+     "temperature"),
+    ("missing api key", "POST", CHAT, chat(), {"Authorization": ""}, 401, None),
+    ("wrong api key", "POST", CHAT, chat(), {"Authorization": "Bearer nope"}, 401, None),
+    ("oversized body", "POST", COMPLETIONS, {"prompt": "x" * (2 << 20)}, None, 413, None),
+    ("unknown route", "GET", "/v1/nothing", None, None, 404, None),
+    ("wrong method", "GET", CHAT, None, None, 405, None),
+]
+
+
+@pytest.fixture(scope="module")
+def kv_before(live_server: LiveServer) -> int:
+    free, running, waiting = live_server.wait_idle(live_server.server_info()["internal_states"][0]["kv_pages_total"])
+    assert (running, waiting) == (0, 0)
+    return free
+
+
+@pytest.mark.parametrize("name,method,path,body,headers,status,param", BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS])
+def test_bad_request(http: httpx.Client, kv_before, name, method, path, body, headers, status, param):
+    kwargs = {}
+    if isinstance(body, dict):
+        kwargs["content"] = json.dumps(body)
+        kwargs["headers"] = {"Content-Type": "application/json"}
+    elif body is not None:
+        kwargs["content"] = body
+    if headers:
+        kwargs["headers"] = {**kwargs.get("headers", {}), **headers}
+    response = http.request(method, path, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"]
+    if param is not None:
+        assert error["param"] is not None and param in error["param"], error
+
+
+def test_server_is_healthy_after_bad_requests(http: httpx.Client, live_server: LiveServer, kv_before):
+    assert http.get("/health").status_code == 200
+    answer = http.post(COMPLETIONS, json={"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+                                          "top_k": 10**30})  # larger than the vocabulary: no restriction
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"].startswith(" Paris.")
+    assert live_server.wait_idle(kv_before) == (kv_before, 0, 0)
+
+
+def test_health_and_metrics_need_no_key(live_server: LiveServer):
+    assert httpx.get(f"{live_server.base_url}/health").status_code == 200
+    metrics = httpx.get(f"{live_server.base_url}/metrics")
+    assert metrics.status_code == 200
+    for name in ("eaglesrv:num_requests_total", "eaglesrv:prompt_tokens_total", "eaglesrv:generation_tokens_total",
+                 "eaglesrv:num_running_reqs", "eaglesrv:num_queue_reqs", "eaglesrv:kv_pages_used",
+                 "eaglesrv:kv_pages_free", "eaglesrv:time_to_first_token_seconds_bucket",
+                 "eaglesrv:inter_token_latency_seconds_bucket"):
+        assert name in metrics.text, name
+    assert httpx.get(f"{live_server.base_url}/v1/models").status_code == 401
