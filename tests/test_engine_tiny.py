@@ -155,3 +155,14 @@ def save_variant(tmp_path, variant: dict) -> str:
                 torch.nn.init.normal_(proj.bias, std=0.5)
     model.save_pretrained(tmp_path, safe_serialization=True)
     return str(tmp_path)
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(tiny_llama_dir):
+    engine = Engine(engine_config(tiny_llama_dir))
+    prompt = random_prompts([9], 256, seed=2)[0]
+    free_run = engine.generate([prompt], GREEDY)[0].output_token_ids
+    stop = free_run[2]
+    stopped = engine.generate([prompt], GREEDY.replace(stop_token_ids=(stop,)))[0]
+    assert stopped.output_token_ids == free_run[:3] and stopped.finish_reason == "stop"
+    held = engine.generate([prompt], GREEDY.replace(stop_token_ids=(stop,), min_tokens=6))[0].output_token_ids
+    assert stop not in held[:6] and len(held) >= 6

@@ -59,6 +59,7 @@ class ModelRunner:
                 output_token_ids=[seq.output_token_ids for seq in samplers],
                 seeds=[seq.seed for seq in samplers],
                 step_indices=[len(seq.output_token_ids) for seq in samplers],
+                suppressed_token_ids=[seq.suppressed_token_ids for seq in samplers],
             ),
         )
         return [

@@ -24,7 +24,7 @@ Filter conventions (row-local, so a row's result never depends on other rows):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,8 @@ class SamplingBatch:
     output_token_ids: list[list[int]]  # tokens generated so far per request (penalties)
     seeds: list[int]  # resolved per-request seed (unseeded requests get one at admission)
     step_indices: list[int]  # index of the output token being sampled
+    # per row, token ids that may not be sampled now (EOS and stop ids before min_tokens)
+    suppressed_token_ids: list[tuple[int, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -89,7 +91,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     Returns a new tensor when penalties apply (the input is never modified); rows without
     penalties are left bit-identical.
     """
-    logits = logits.float()
+    logits = _suppress(logits.float(), batch)
     rows = [i for i, p in enumerate(batch.params) if p.uses_penalties]
     if not rows:
         return logits
@@ -105,6 +107,17 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     presence = _row_tensor([p.presence_penalty for p in batch.params], logits.device)
     frequency = _row_tensor([p.frequency_penalty for p in batch.params], logits.device)
     return logits - (presence * (counts > 0) + frequency * counts)
+
+
+def _suppress(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """-inf for each row's suppressed tokens (a copy only when some row has any)."""
+    pairs = [(row, t) for row, ids in enumerate(batch.suppressed_token_ids) for t in ids if t < logits.shape[1]]
+    if not pairs:
+        return logits
+    logits = logits.clone()
+    rows, tokens = zip(*pairs)
+    logits[list(rows), list(tokens)] = float("-inf")
+    return logits
 
 
 # ---------------------------------------------------------------------------- probs

@@ -68,6 +68,13 @@ class Request:
             return self.output_token_ids[start - n_prompt : stop - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
 
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """Tokens that would end the request, while fewer than min_tokens are generated."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else tuple(sorted(self.eos_token_ids))
+        return eos + tuple(self.params.stop_token_ids)
+
     def stop_reason_after(self, token_id: int) -> FinishReason | None:
         """Why the request ends after appending `token_id`, or None if it goes on."""
         if not self.params.ignore_eos and token_id in self.eos_token_ids:

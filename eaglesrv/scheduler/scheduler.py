@@ -171,6 +171,7 @@ class Scheduler:
             next_token_id=request.token_slice(start + count, start + count + 1)[0]
             if start + count < request.num_tokens else None,
             max_context_len=request.max_context_len,
+            suppressed_token_ids=request.suppressed_token_ids(),
         )
 
     def _trim_pages(self, request: Request) -> None:

@@ -130,6 +130,7 @@ class Eagle3Runner:
             and state is not None
             and state.position == seq.num_cached
             and not seq.params.uses_penalties  # penalties would change along a path
+            and not seq.suppressed_token_ids  # so would min_tokens' suppression
             and seq.num_cached + self.lookahead + 1 <= min(seq.max_context_len, self.target.arch.max_position_embeddings)
         )
 
@@ -247,4 +248,5 @@ def _sampling_batch(seqs: list[SequenceWork]) -> SamplingBatch:
         output_token_ids=[s.output_token_ids for s in seqs],
         seeds=[s.seed for s in seqs],
         step_indices=[len(s.output_token_ids) for s in seqs],
+        suppressed_token_ids=[s.suppressed_token_ids for s in seqs],
     )
