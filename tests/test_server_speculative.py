@@ -41,6 +41,7 @@ def test_greedy_over_http_with_eagle3_equals_the_plain_engine(spec_server, tiny_
             "input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True},
         }).json()
         assert [item["output_ids"] for item in items] == expected
+        assert all(0 < item["meta_info"]["spec_verify_ct"] < 20 for item in items)  # the first token is the prefill's
 
         # Streamed, tokens come several per step; without a tokenizer, logprob entries name the ids.
         body = {"prompt": prompts[1], "max_tokens": 20, "temperature": 0, "ignore_eos": True, "logprobs": 0,

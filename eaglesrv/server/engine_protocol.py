@@ -86,6 +86,7 @@ class EngineOutput:
     num_output_tokens: int
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     new_logprobs: list[WireLogprob] = field(default_factory=list)
+    spec_verify_ct: int = 0  # speculative verifications so far
 
     @property
     def finished(self) -> bool:

@@ -33,6 +33,7 @@ class ChoiceDelta:
     num_output_tokens: int  # so far, including the token that finished it
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
+    spec_verify_ct: int = 0  # speculative verifications so far
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ChoiceResult:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    spec_verify_ct: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
@@ -56,6 +58,7 @@ class ChoiceResult:
         self.num_output_tokens = delta.num_output_tokens
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.matched_stop = delta.matched_stop if delta.matched_stop is not None else self.matched_stop
+        self.spec_verify_ct = delta.spec_verify_ct
 
 
 async def run_choice(
@@ -84,7 +87,7 @@ async def run_choice(
                 if reason is not None:
                     state.metrics.request_finished(reason, num_prompt, now - started)
                 yield ChoiceDelta(index, piece, list(out.new_token_ids), list(out.new_logprobs), num_prompt,
-                                  out.num_output_tokens, reason, matched)
+                                  out.num_output_tokens, reason, matched, out.spec_verify_ct)
                 if reason is not None:
                     return  # after a stop string, leaving the stream aborts the engine request
     finally:

@@ -174,6 +174,7 @@ class GenerateHandler:
             "completion_tokens": r.num_output_tokens,
             "cached_tokens": 0,
             "e2e_latency": time.monotonic() - self.started,
+            "spec_verify_ct": r.spec_verify_ct,
         }
         if self.body.return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for tok, lp, _ in r.logprobs]
