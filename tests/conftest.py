@@ -7,6 +7,11 @@ import torch
 
 from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 
+# The suite runs on 2 cores beside server subprocesses; with torch splitting every op over
+# both cores, two busy processes stall each other (tiny ops measured 60x slower), so the
+# test process uses one thread. Speed is measured by the benchmarks, not here.
+torch.set_num_threads(1)
+
 TINY_LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

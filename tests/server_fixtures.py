@@ -43,8 +43,11 @@ class LiveServer:
         self.log_path = Path(tempfile.mkstemp(prefix="eaglesrv-server-", suffix=".log")[1])
         self._log = self.log_path.open("w")
         self.health_codes: list[int] = []  # every /health answer seen while starting
+        # One torch thread: the test process computes references at the same time, and two
+        # processes each splitting every op over both cores stall on each other.
+        threads = () if "--num-threads" in args else ("--num-threads", "1")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "eaglesrv.launch", "--port", str(self.port), *args],
+            [sys.executable, "-m", "eaglesrv.launch", "--port", str(self.port), *threads, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from conftest import save_tiny_llama
+
 from eaglesrv.configs.cli import engine_config_from_args
 from eaglesrv.configs.server import server_config_from_args
 from eaglesrv.launch import build_parser
@@ -80,8 +82,11 @@ def test_engine_start_up_failure_is_an_error_exit_not_a_hang():
     assert time.monotonic() - started < 120
 
 
+STREAM_TOKENS = 3000  # long enough to still be streaming when SIGTERM comes, even on a fast machine
+
+
 def _stream_completion(base_url: str, results: list, first_token: threading.Event) -> None:
-    body = {"prompt": [1, 5, 9, 13, 17], "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True,
+    body = {"prompt": [1, 5, 9, 13, 17], "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     reason, usage, done = None, None, False
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
@@ -98,10 +103,12 @@ def _stream_completion(base_url: str, results: list, first_token: threading.Even
 
 
 @pytest.mark.slow
-def test_sigterm_lets_streams_finish_then_exits_zero(tiny_llama_dir):
-    # The tiny model starts in seconds; what is tested here is the server, not the model.
-    server = LiveServer("--model-path", tiny_llama_dir, "--dtype", "float32", "--device", "cpu",
-                        "--max-total-tokens", "4096")
+def test_sigterm_lets_streams_finish_then_exits_zero(tmp_path):
+    # A tiny model starts in seconds (what is tested here is the server, not the model);
+    # this one has a long context so that its streams outlast the signal.
+    model = save_tiny_llama(tmp_path, max_position_embeddings=4096)
+    server = LiveServer("--model-path", model, "--dtype", "float32", "--device", "cpu",
+                        "--max-total-tokens", "16384")
     try:
         server.wait_healthy()
         assert server.health_codes[-1] == 200
@@ -123,6 +130,6 @@ def test_sigterm_lets_streams_finish_then_exits_zero(tiny_llama_dir):
         server.stop()
     assert len(results) == 3
     for reason, completion_tokens, done, finished_at in results:
-        assert (reason, completion_tokens, done) == ("length", 480, True)
+        assert (reason, completion_tokens, done) == ("length", STREAM_TOKENS, True)
     assert max(r[3] for r in results) > signalled_at  # they were still streaming when the signal came
     assert "shutting down: finishing in-flight requests" in server.log()
