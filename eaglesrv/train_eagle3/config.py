@@ -1,0 +1,96 @@
+"""Every setting of one training run, in one frozen dataclass (the CLI fills it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    output_dir: str
+    model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    data_path: str | None = None  # a ShareGPT-format JSON array; None: the shipped file
+    work_dir: str | None = None  # caches (distilled data, features); None: <output_dir>/work
+    # data
+    num_conversations: int | None = None  # None: all 8,000 training conversations
+    max_seq_len: int = 512
+    max_turns: int | None = None  # assistant turns kept per conversation; None: all that fit
+    self_distill: bool = False
+    distill_temperature: float = 0.0  # 0: greedy replies
+    distill_batch_size: int = 32  # conversations generated together
+    distill_max_new_tokens: int | None = None  # cap per regenerated reply; None: what max_seq_len leaves
+    # draft head
+    draft_vocab_size: int = 8192
+    ttt_steps: int = 7
+    lm_head_init: str = "random"  # random: N(0, 0.02) (SpecForge; better in our pilot); target: its own rows
+    save_dtype: str = "bfloat16"  # of the written head: half the file of float32, as published heads ship
+    loss_decay: float = 0.8  # weight of unroll step j is loss_decay ** j (EAGLE-3's choice)
+    # optimisation
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (pilots)
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    batch_tokens: int = 4096  # padded tokens per optimizer step
+    checkpoint_every: int = 200  # optimizer steps
+    seed: int = 0
+    resume: bool = False
+    # hardware
+    device: str = "auto"  # auto | cpu | cuda
+    target_dtype: str = "auto"  # the frozen target's compute dtype (engine semantics)
+    amp: str = "auto"  # auto: bf16 autocast on CUDA, none on the CPU; or bf16 | none
+    num_threads: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_seq_len >= 8, "--max-seq-len must be at least 8"),
+            (self.draft_vocab_size >= 2, "--draft-vocab-size must be at least 2"),
+            (self.ttt_steps >= 1, "--ttt-steps must be at least 1"),
+            (self.epochs >= 1, "--epochs must be at least 1"),
+            (self.batch_tokens >= self.max_seq_len, "--batch-tokens must be at least --max-seq-len"),
+            (self.checkpoint_every >= 1, "--checkpoint-every must be at least 1"),
+            (self.amp in ("auto", "bf16", "none"), "--amp must be auto, bf16 or none"),
+            (self.lm_head_init in ("target", "random"), "--lm-head-init must be target or random"),
+            (self.save_dtype in SAVE_DTYPES, f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}"),
+            (self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1"),
+            (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def work_path(self) -> Path:
+        """Caches, each named by the settings it depends on: runs may share one."""
+        return Path(self.work_dir) if self.work_dir else Path(self.output_dir) / "work"
+
+    @property
+    def state_path(self) -> Path:
+        """This run's checkpoint and per-step log."""
+        return Path(self.output_dir) / "train_state"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, *fields: str) -> str:
+        """A short hash of the named settings: caches are reused only when these match."""
+        chosen = {name: getattr(self, name) for name in fields}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Settings that decide the training sequences (and so every cache built from them).
+DATA_FIELDS = ("model_path", "data_path", "num_conversations", "max_seq_len", "max_turns", "self_distill",
+               "distill_temperature", "distill_max_new_tokens", "seed")
+# Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
+RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
+                            "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "amp")

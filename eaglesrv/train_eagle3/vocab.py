@@ -1,0 +1,55 @@
+"""The draft vocabulary: the target tokens the head can propose.
+
+The head's lm_head covers only `draft_vocab_size` target tokens, the ones that most often
+appear in assistant replies of the training data (what the draft has to predict). A draft
+that cannot name a token cannot get it accepted, so coverage of reply tokens is the
+figure to watch; it is logged and recorded with the run.
+
+Published format (SpecForge, SGLang, vLLM): draft ids are the chosen target ids in
+ascending order; d2t[d] = target_id - d (an offset), t2d is a bool mask over the target
+vocabulary. The engine holds draft_to_target = arange + d2t.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from eaglesrv.train_eagle3.data import TrainingSequence
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    draft_to_target: torch.Tensor  # [draft_vocab] target id of each draft id, ascending
+    coverage: float  # share of reply tokens in the training data that the draft can name
+
+    @property
+    def size(self) -> int:
+        return len(self.draft_to_target)
+
+    def target_mask(self, target_vocab_size: int) -> torch.Tensor:
+        """t2d: [target_vocab] bool, True for target ids the draft covers."""
+        mask = torch.zeros(target_vocab_size, dtype=torch.bool)
+        mask[self.draft_to_target] = True
+        return mask
+
+
+def build_draft_vocab(sequences: Sequence[TrainingSequence], size: int, target_vocab_size: int) -> DraftVocab:
+    """The `size` most frequent reply tokens (ties by id); unseen ids fill any gap."""
+    if size > target_vocab_size:
+        raise ValueError(f"draft vocabulary {size} is larger than the target's {target_vocab_size}")
+    counts: Counter[int] = Counter()
+    for sequence in sequences:
+        counts.update(t for t, is_reply in zip(sequence.token_ids, sequence.loss_mask) if is_reply)
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
+    chosen = set(ranked)
+    # Too few distinct reply tokens: pad with the lowest unused ids, so the size is as asked.
+    filler = (t for t in range(target_vocab_size) if t not in chosen)
+    while len(ranked) < size:
+        ranked.append(next(filler))
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in chosen)
+    return DraftVocab(torch.tensor(sorted(ranked), dtype=torch.long), covered / total if total else 0.0)

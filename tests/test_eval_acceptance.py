@@ -1,0 +1,50 @@
+"""eval_acceptance on the tiny chat model: held-out prompts only, one row per (tree, temperature)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import eaglesrv.data.sharegpt as sharegpt_module
+from eagle3_helpers import save_random_head
+from eaglesrv.eval_acceptance import _kept_counts, heldout_prompts, main
+from train_eagle3_helpers import save_tiny_chat_model, write_tiny_sharegpt
+
+
+@pytest.fixture()
+def small_split(monkeypatch):
+    monkeypatch.setattr(sharegpt_module, "TRAINING_CONVERSATIONS", 40)  # 8 of the 48 are held out
+
+
+def test_smoke_writes_every_tree_and_temperature(tmp_path, small_split):
+    model = save_tiny_chat_model(tmp_path / "model")
+    head = save_random_head(model, tmp_path / "head", draft_vocab_size=64)
+    data = write_tiny_sharegpt(tmp_path / "sharegpt.json")
+    out = tmp_path / "acceptance.json"
+    main(["--model-path", model, "--draft-model-path", head, "--data-path", data, "--num-prompts", "3",
+          "--trees", "3,1,4", "2,2,4", "--temperatures", "0", "1", "--max-tokens", "8", "--device", "cpu",
+          "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert [(r["tree"], r["temperature"]) for r in report["results"]] == [
+        ([3, 1, 4], 0.0), ([3, 1, 4], 1.0), ([2, 2, 4], 0.0), ([2, 2, 4], 1.0)]
+    for row in report["results"]:
+        assert row["prompts"] == 3 and row["verifications"] > 0 and row["accept_length"] >= 1.0
+        assert len(row["acceptance_by_depth"]) == row["tree"][0]
+
+
+def test_prompts_come_from_the_held_out_conversations(tmp_path, small_split):
+    from transformers import AutoTokenizer
+
+    model = save_tiny_chat_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = heldout_prompts(tokenizer, 8, 1024, write_tiny_sharegpt(tmp_path / "sharegpt.json"))
+    texts = [tokenizer.decode(p) for p in prompts]
+    assert texts[0] == "<|im_start|>user\ntell me about cats<|im_end|>\n<|im_start|>assistant\n"  # conversation 40
+    with pytest.raises(ValueError, match="only 8 held-out prompts"):
+        heldout_prompts(tokenizer, 9, 1024, str(tmp_path / "sharegpt.json"))
+
+
+def test_per_depth_counts_survive_the_rate_snapshot():
+    stats = {"spec_verifications": 7, "spec_acceptance_by_depth": [5 / 7, 2 / 5, 0 / 2]}
+    assert _kept_counts(stats) == [5, 2, 0]

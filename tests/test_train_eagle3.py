@@ -1,0 +1,226 @@
+"""EAGLE-3 head training on a tiny chat model: the unroll equals the engine's draft, the
+loss falls, the head loads and keeps greedy output exact, resume is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import engine_config
+from eagle3_helpers import spec_config
+from engine_helpers import random_prompts
+from eaglesrv.engine.eagle3.draft_model import Eagle3Config, Eagle3DraftModel
+from eaglesrv.engine.eagle3.head_io import head_config_for
+from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.engine.kv_cache import KVPool
+from eaglesrv.engine.llm_engine import Engine
+from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.kernels.attention.base import SequenceSpan
+from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
+from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.train_eagle3 import trainer as trainer_module
+from eaglesrv.train_eagle3.__main__ import main
+from eaglesrv.train_eagle3.data import TrainingSequence, encode, training_conversations
+from eaglesrv.train_eagle3.trainer import plan_epoch
+from eaglesrv.train_eagle3.ttt import draft_logits, live_rows, unroll
+from eaglesrv.train_eagle3.vocab import build_draft_vocab
+from train_eagle3_helpers import save_tiny_chat_model, train_argv, write_tiny_sharegpt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> str:
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def sharegpt(tmp_path_factory) -> str:
+    return write_tiny_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json")
+
+
+@pytest.fixture(scope="module")
+def trained(chat_model, sharegpt, tmp_path_factory):
+    """One uninterrupted run: (head dir, metadata, per-step log)."""
+    out = tmp_path_factory.mktemp("head")
+    metadata = main(train_argv(chat_model, sharegpt, out))
+    log = [json.loads(line) for line in (out / "train_state" / "train_log.jsonl").read_text().splitlines()]
+    return out, metadata, log
+
+
+# ---- the unroll is the inference-time draft ----------------------------------------------
+def _engine_chain(draft: Eagle3DraftModel, tokens: torch.Tensor, aux: torch.Tensor, root: int, steps: int):
+    """Logits of the engine's paged draft: the extend over positions 0..root-1, then a chain
+    of `steps - 1` draft passes, each reading the token after the last and its own output."""
+    kv = KVPool(draft.config.arch, num_pages=16, page_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    attention = TorchAttentionBackend(4, torch.device("cpu"))
+    pages = list(range(16))
+
+    def forward(ids, features, first, count):
+        ctx = ForwardContext(attention, attention.plan([SequenceSpan(pages, first, count)]), kv)
+        return draft(ids, features, torch.arange(first, first + count), ctx)
+
+    logits, out = forward(tokens[1 : root + 1], aux[:root], 0, root)
+    chain, hidden = [logits[root - 1]], out[root - 1 :]
+    for depth in range(1, steps):
+        logits, hidden = forward(tokens[root + depth : root + depth + 1], hidden, root + depth - 1, 1)
+        chain.append(logits[0])
+    return chain
+
+
+def _small_head() -> Eagle3DraftModel:
+    target = ModelArch.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+    })
+    draft = Eagle3DraftModel(Eagle3Config.from_hf_config(head_config_for(target, 20)))
+    draft.init_random_weights(3, torch.randn(50, 32, generator=torch.Generator().manual_seed(1)) * 0.5)
+    return draft
+
+
+def test_unroll_equals_the_engines_draft_chain():
+    draft = _small_head()
+    generator = torch.Generator().manual_seed(0)
+    length, steps = 14, 4
+    tokens = torch.randint(0, 50, (length,), generator=generator)
+    aux = torch.randn(length, 96, generator=generator)
+    with torch.no_grad():
+        unrolled = [draft_logits(draft, h)[0] for h in unroll(draft, tokens[None], aux[None], steps)]
+        for root in (1, 5, length - steps):
+            chain = _engine_chain(draft, tokens, aux, root, steps)
+            for step in range(steps):  # unroll step j at index root-1 = chain depth j
+                torch.testing.assert_close(unrolled[step][root - 1], chain[step], atol=2e-5, rtol=1e-4)
+
+
+def test_skipping_dead_rows_changes_no_live_output():
+    draft = _small_head()
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 50, (3, 16), generator=generator)
+    aux = torch.randn(3, 16, 96, generator=generator)
+    valid = torch.rand(3, 16, generator=generator) < 0.3
+    live = live_rows(valid, 4)
+    assert live[0].sum() > live[3].sum() > 0 and not live[0].all()
+    with torch.no_grad():
+        for step, (dense, sparse) in enumerate(zip(unroll(draft, tokens, aux, 4), unroll(draft, tokens, aux, 4, live))):
+            torch.testing.assert_close(sparse[live[step]], dense[live[step]], atol=1e-5, rtol=1e-5)
+            needed = torch.zeros_like(valid)
+            for later in range(step, 4):  # every position a loss at this step or later reads
+                needed |= torch.cat([valid[:, 1 + later:], torch.zeros(3, 1 + later, dtype=torch.bool)], 1)
+            assert torch.equal(live[step], needed)
+
+
+# ---- data, vocabulary, batching ------------------------------------------------------------
+def test_reply_mask_covers_exactly_the_assistant_text(chat_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]
+    sequence = encode(tokenizer, messages, 200)
+    reply = [t for t, m in zip(sequence.token_ids, sequence.loss_mask) if m]
+    assert tokenizer.decode(reply) == "yo<|im_end|>ok<|im_end|>"
+    cut = encode(tokenizer, messages, 24)
+    assert len(cut.token_ids) == 24 and cut.loss_mask[-3:] == [True, True, True]
+    assert encode(tokenizer, messages, 20) is None  # no reply token left
+
+
+def test_training_data_stops_at_the_held_out_split(sharegpt, monkeypatch):
+    import eaglesrv.data.sharegpt as sharegpt_module
+
+    monkeypatch.setattr(sharegpt_module, "TRAINING_CONVERSATIONS", 10)
+    assert len(training_conversations(None, sharegpt)) == 10
+    assert len(training_conversations(40, sharegpt)) == 10
+    assert [c.id for c in training_conversations(3, sharegpt)] == ["c0", "c1", "c2"]
+
+
+def test_draft_vocab_by_reply_frequency():
+    sequences = [TrainingSequence([5, 7, 7, 9, 9, 9, 4, 3], [False, True, True, True, True, True, True, False])]
+    vocab = build_draft_vocab(sequences, 2, 12)
+    assert vocab.draft_to_target.tolist() == [7, 9] and vocab.coverage == pytest.approx(5 / 6)
+    padded = build_draft_vocab(sequences, 5, 12)
+    assert padded.draft_to_target.tolist() == [0, 1, 4, 7, 9] and padded.target_mask(12).sum() == 5
+
+
+def test_batch_plans_are_seeded_and_bounded():
+    lengths = [int(x) for x in torch.randint(5, 90, (200,), generator=torch.Generator().manual_seed(1))]
+    plan = plan_epoch(lengths, 256, seed=7, epoch=2)
+    assert plan == plan_epoch(lengths, 256, seed=7, epoch=2) != plan_epoch(lengths, 256, seed=7, epoch=3)
+    assert sorted(i for batch in plan for i in batch) == list(range(200))
+    assert all(len(batch) * max(lengths[i] for i in batch) <= 256 for batch in plan)
+
+
+# ---- the CLI end to end ------------------------------------------------------------------
+def test_training_lowers_the_loss_and_writes_a_published_head(trained):
+    out, metadata, log = trained
+    # The loss is a cross-entropy to a random model's rather flat distributions: its floor
+    # (the target's entropy) is high, so the part above it (the KL) shows the learning.
+    def first_and_last(key: str) -> list[float]:  # step-0 figure, mean of 5 optimizer steps
+        return [sum(r[key][0] for r in rows) / len(rows) for rows in (log[:5], log[-5:])]
+
+    (first_loss, last_loss), (first_kl, last_kl) = first_and_last("step_loss"), first_and_last("step_kl")
+    assert last_loss < first_loss - 0.2 and last_kl < 0.8 * first_kl, (first_loss, last_loss, first_kl, last_kl)
+    first_acc, last_acc = first_and_last("step_acc")
+    assert last_acc > first_acc + 0.1, (first_acc, last_acc)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["lm_head.weight"].shape == (192, 64) and "embed_tokens.weight" not in tensors
+    assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    assert int(tensors["t2d"].sum()) == 192 and "midlayer.self_attn.q_proj.weight" in tensors
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 192
+    assert metadata["data"]["sequences"] == 32 and metadata["steps"] == len(log)
+    assert json.loads((out / "TRAINING.json").read_text())["command"].startswith("python -m eaglesrv.train_eagle3")
+
+
+def test_trained_head_loads_and_keeps_greedy_output_exact(chat_model, trained):
+    out, _, _ = trained
+    prompts = random_prompts([7, 20, 33], 256, seed=5)
+    plain = [r.output_token_ids for r in Engine(engine_config(chat_model)).generate(prompts, GREEDY)]
+    for tree in ((3, 1, 4), (5, 8, 32)):
+        engine = Engine(spec_config(chat_model, str(out), *tree))
+        assert [r.output_token_ids for r in engine.generate(prompts, GREEDY)] == plain
+        assert engine.spec_stats["spec_verifications"] > 0
+
+
+def test_resume_continues_exactly(chat_model, sharegpt, trained, tmp_path, monkeypatch):
+    out, _, log = trained
+    interrupted = tmp_path / "head"
+    original_step = trainer_module.Trainer._step
+    calls = {"n": 0}
+
+    def crash_after_ten(self, indices, position):
+        calls["n"] += 1
+        if calls["n"] > 10:  # past the checkpoint at step 8: steps 9-10 must be redone
+            raise KeyboardInterrupt
+        return original_step(self, indices, position)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_step", crash_after_ten)
+    with pytest.raises(KeyboardInterrupt):
+        main(train_argv(chat_model, sharegpt, interrupted))
+    monkeypatch.setattr(trainer_module.Trainer, "_step", original_step)
+    with pytest.raises(FileExistsError):  # a checkpoint is never silently overwritten
+        main(train_argv(chat_model, sharegpt, interrupted))
+    main(train_argv(chat_model, sharegpt, interrupted, "--resume"))
+    resumed = [json.loads(line) for line in (interrupted / "train_state" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in log]
+    expected, got = load_file(str(out / "model.safetensors")), load_file(str(interrupted / "model.safetensors"))
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, tmp_path):
+    out = tmp_path / "distilled"
+    argv = train_argv(chat_model, sharegpt, out, "--self-distill", "--max-steps", "3")
+    argv[argv.index("--num-conversations") + 1] = "6"
+    argv[argv.index("--max-seq-len") + 1] = "64"
+    main(argv)
+    (cache,) = (out / "work").glob("distill-*.jsonl")
+    records = [json.loads(line) for line in cache.read_text().splitlines()[1:]]
+    assert sorted(r["index"] for r in records) == list(range(6))
+    engine = Engine(engine_config(chat_model))
+    first = records[[r["index"] for r in records].index(0)]["messages"]
+    prompt = engine.tokenizer.apply_chat_template(first[:1], tokenize=False, add_generation_prompt=True)
+    ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    reply = engine.generate([ids], SamplingParams(temperature=0, max_tokens=64 - len(ids)))[0]
+    assert first[1] == {"role": "assistant", "content": reply.text}
