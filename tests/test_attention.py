@@ -26,7 +26,7 @@ def naive_attention(q, k, v, mask):
 def random_case(spans_shape, seed=0, custom=False):
     """spans_shape: (num_cached, num_new) per sequence. Returns spans, caches, new q/k/v, full k/v."""
     g = torch.Generator().manual_seed(seed)
-    num_pages = 64
+    num_pages = 512
     k_cache = torch.zeros(num_pages * PAGE, KV_HEADS, DIM)
     v_cache = torch.zeros_like(k_cache)
     free_pages = torch.randperm(num_pages, generator=g).tolist()  # scattered pages
@@ -57,6 +57,7 @@ def random_case(spans_shape, seed=0, custom=False):
         ([(9, 1), (3, 1), (16, 1)], False),  # pure decode
         ([(6, 5), (0, 4)], True),  # arbitrary masks (tree verification)
         ([(6, 4), (2, 4), (5, 1), (0, 4)], True),  # equal-size trees grouped together
+        ([(3, 1), (300, 1), (20, 1), (700, 1), (260, 1), (0, 2)], False),  # decodes bucketed by length
     ],
 )
 def test_torch_backend_matches_naive_attention(shape, custom):

@@ -46,12 +46,14 @@ class TorchAttentionBackend(AttentionBackend):
             by_size.setdefault(span.num_new, []).append(index)
         new_slots = torch.empty(int(sum(s.num_new for s in spans)), dtype=torch.long)
         groups = []
-        for size, members in by_size.items():
-            group, slots = _plan_group([spans[i] for i in members], first_row[members], size, self.page_size)
-            groups.append(_to(group, self.device))
-            for row, span, sequence_slots in zip(first_row[members].tolist(), [spans[i] for i in members], slots):
-                new_slots[row : row + size] = sequence_slots
+        for size, same_size in by_size.items():
+            for members in _length_buckets(same_size, spans):
+                group, slots = _plan_group([spans[i] for i in members], first_row[members], size, self.page_size)
+                groups.append(_to(group, self.device))
+                for row, sequence_slots in zip(first_row[members].tolist(), slots):
+                    new_slots[row : row + size] = sequence_slots
         return TorchAttentionMetadata(new_slots=new_slots.to(self.device), groups=groups)
+
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
         # index_select/index_copy_ rather than advanced indexing: several times faster on the CPU.
@@ -70,6 +72,21 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out.index_copy_(0, rows, attended.transpose(1, 2).reshape(-1, *q.shape[1:]))
         return out
+
+
+def _length_buckets(members: list[int], spans: list[SequenceSpan], ratio: float = 1.5, floor: int = 256):
+    """Split sequences into runs of similar length, so that padding every key set to the
+    longest one (gathered, then masked) wastes at most about `ratio` of the memory traffic,
+    which is what decode attention costs on a CPU."""
+    ordered = sorted(members, key=lambda i: spans[i].num_cached + spans[i].num_new)
+    buckets: list[list[int]] = []
+    for index in ordered:
+        length = spans[index].num_cached + spans[index].num_new
+        if buckets and length <= max(floor, ratio * buckets[-1][0][1]):
+            buckets[-1].append((index, length))
+        else:
+            buckets.append([(index, length)])
+    return [[index for index, _ in bucket] for bucket in buckets]
 
 
 def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, page_size: int):
