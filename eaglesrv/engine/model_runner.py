@@ -9,7 +9,7 @@ from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, sample
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
-from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
+from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, SequenceWork
 
 
 class ModelRunner:
@@ -52,17 +52,19 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
         samplers = [seq for seq in sequences if seq.sample]
-        result = sample(
-            logits,
-            SamplingBatch(
-                params=[seq.params for seq in samplers],
-                output_token_ids=[seq.output_token_ids for seq in samplers],
-                seeds=[seq.seed for seq in samplers],
-                step_indices=[len(seq.output_token_ids) for seq in samplers],
-                suppressed_token_ids=[seq.suppressed_token_ids for seq in samplers],
-            ),
-        )
+        result = sample(logits, sampling_batch(samplers))
         return [
             SequenceResult.single(seq, token, logprobs)
             for seq, token, logprobs in zip(samplers, result.token_ids, result.logprobs)
         ]
+
+
+def sampling_batch(seqs: list[SequenceWork]) -> SamplingBatch:
+    """The sampler's view of the sequences that sample this step (one row each)."""
+    return SamplingBatch(
+        params=[s.params for s in seqs],
+        output_token_ids=[s.output_token_ids for s in seqs],
+        seeds=[s.seed for s in seqs],
+        step_indices=[len(s.output_token_ids) for s in seqs],
+        suppressed_token_ids=[s.suppressed_token_ids for s in seqs],
+    )

@@ -8,15 +8,15 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
-from eaglesrv.server.errors import error_body
 from eaglesrv.server.formatting import (
     SSE_DONE, SSEResponse, TokenText, chat_logprobs, new_id, now_s, parse_body, sse, until_disconnected, usage,
 )
-from eaglesrv.server.generation import ChoiceDelta, collect_choices, merge_choices, run_choice
+from eaglesrv.server.generation import (
+    STREAM_FAILURES, ChoiceDelta, collect_choices, merge_choices, run_choice, stream_error,
+)
 from eaglesrv.server.openai_protocol import ChatCompletionRequest
 from eaglesrv.server.request_prep import (
-    build_sampling_params, chat_prompt_ids, check_prompt, check_stop_token_ids, with_choice_seed,
+    chat_prompt_ids, check_prompt, check_stop_token_ids, openai_sampling_params, with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
 
@@ -45,12 +45,7 @@ class ChatHandler:
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
         check_stop_token_ids(body.stop_token_ids, info)
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
-        self.params = build_sampling_params(
-            info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=self.top_n,
-            min_tokens=body.min_tokens,
-        )
+        self.params = openai_sampling_params(info, body, self.top_n)
         self.state = state
         self.body = body
         self.id = new_id("chatcmpl")
@@ -110,8 +105,8 @@ class ChatHandler:
             if include_usage:
                 yield sse({**self._envelope(), "choices": [],
                            "usage": usage(len(self.prompt_ids), sum(completion_tokens.values()))})
-        except (EngineDeadError, RequestRejectedError) as exc:
-            yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        except STREAM_FAILURES as exc:
+            yield stream_error(exc)
         yield SSE_DONE
 
     def _envelope(self) -> dict:

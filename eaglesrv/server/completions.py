@@ -8,15 +8,15 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
-from eaglesrv.server.errors import error_body
 from eaglesrv.server.formatting import (
     SSE_DONE, SSEResponse, TokenText, completion_logprobs, new_id, now_s, parse_body, sse, until_disconnected, usage,
 )
-from eaglesrv.server.generation import ChoiceDelta, collect_choices, merge_choices, run_choice
+from eaglesrv.server.generation import (
+    STREAM_FAILURES, ChoiceDelta, collect_choices, merge_choices, run_choice, stream_error,
+)
 from eaglesrv.server.openai_protocol import CompletionRequest
 from eaglesrv.server.request_prep import (
-    build_sampling_params, check_prompt, check_stop_token_ids, completion_prompts, with_choice_seed,
+    check_prompt, check_stop_token_ids, completion_prompts, openai_sampling_params, with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
 
@@ -46,12 +46,7 @@ class CompletionHandler:
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, body.output_limit, param="prompt")
         check_stop_token_ids(body.stop_token_ids, info)
-        self.params = build_sampling_params(
-            info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=body.logprobs,
-            min_tokens=body.min_tokens,
-        )
+        self.params = openai_sampling_params(info, body, body.logprobs)
         self.state = state
         self.body = body
         self.id = new_id("cmpl")
@@ -137,8 +132,8 @@ class CompletionHandler:
             if self.body.include_usage:
                 yield sse({**self._envelope(), "choices": [],
                            "usage": usage(self._prompt_tokens, sum(completion_tokens.values()))})
-        except (EngineDeadError, RequestRejectedError) as exc:
-            yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        except STREAM_FAILURES as exc:
+            yield stream_error(exc)
         yield SSE_DONE
 
     def _envelope(self) -> dict:

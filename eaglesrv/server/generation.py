@@ -16,7 +16,10 @@ from typing import AsyncIterator, Sequence
 
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.server.detokenizer import IncrementalDetokenizer
+from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
 from eaglesrv.server.engine_protocol import EngineOutput, WireLogprob
+from eaglesrv.server.errors import error_body
+from eaglesrv.server.formatting import sse
 from eaglesrv.server.state import ServerState
 from eaglesrv.server.stop_strings import StopStringFilter
 
@@ -184,3 +187,11 @@ async def collect_choices(runs: list[AsyncIterator[ChoiceDelta]]) -> list[Choice
         async for delta in deltas:
             results.setdefault(delta.index, ChoiceResult(delta.index)).add(delta)
     return [results[i] for i in sorted(results)]
+
+
+STREAM_FAILURES = (EngineDeadError, RequestRejectedError)  # what ends a stream with an error event
+
+
+def stream_error(exc: Exception) -> str:
+    """The SSE error event for a stream that cannot go on (503 engine gone, 400 rejected)."""
+    return sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))

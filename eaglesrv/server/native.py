@@ -17,10 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import eaglesrv
 from eaglesrv.configs.cli import ENGINE_FLAGS
-from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
-from eaglesrv.server.errors import bad_request, error_body
+from eaglesrv.server.errors import bad_request
 from eaglesrv.server.formatting import SSE_DONE, SSEResponse, new_id, parse_body, sse, until_disconnected
-from eaglesrv.server.generation import ChoiceDelta, ChoiceResult, collect_choices, merge_choices, run_choice
+from eaglesrv.server.generation import (
+    STREAM_FAILURES, ChoiceDelta, ChoiceResult, collect_choices, merge_choices, run_choice, stream_error,
+)
 from eaglesrv.server.request_prep import build_sampling_params, check_prompt, check_stop_token_ids, completion_prompts
 from eaglesrv.server.state import ServerState
 
@@ -162,8 +163,8 @@ class GenerateHandler:
                     result.add(d)
                     if d.text or d.finish_reason or (self.body.return_logprob and d.logprobs):
                         yield sse(self._item(result, streaming=True))
-        except (EngineDeadError, RequestRejectedError) as exc:
-            yield sse(error_body(503 if isinstance(exc, EngineDeadError) else 400, str(exc)))
+        except STREAM_FAILURES as exc:
+            yield stream_error(exc)
         yield SSE_DONE
 
     def _item(self, r: ChoiceResult, streaming: bool = False) -> dict:

@@ -47,6 +47,16 @@ def build_sampling_params(
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
+def openai_sampling_params(info, body, logprobs: int | None) -> SamplingParams:
+    """build_sampling_params from the sampling fields chat and completions share."""
+    return build_sampling_params(
+        info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        min_tokens=body.min_tokens,
+    )
+
+
 def with_choice_seed(params: SamplingParams, choice_index: int) -> SamplingParams:
     """The params of choice i of n: a given seed is shifted so choices differ but repeat."""
     if params.seed is None or choice_index == 0:

@@ -27,7 +27,7 @@ from torch import nn
 
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.model.arch import ModelArch
-from eaglesrv.engine.model.llama import MLP, Attention, RMSNorm
+from eaglesrv.engine.model.llama import MLP, Attention, RMSNorm, fused_target, part_view
 from eaglesrv.engine.model.rope import RotaryEmbedding
 
 
@@ -123,10 +123,10 @@ class Eagle3DraftModel(nn.Module):
             if name == "d2t":
                 d2t = tensor
                 continue
-            target = _draft_param_name(name)
+            target, part = fused_target(name)
             if target not in params:
                 raise DraftHeadError(f"draft checkpoint has an unexpected tensor {name!r}")
-            destination = _destination(params[target], target, name, self.config.arch)
+            destination = params[target] if part is None else part_view(params[target], target, part, self.config.arch)
             if tuple(destination.shape) != tuple(tensor.shape):
                 raise DraftHeadError(
                     f"draft tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
@@ -176,23 +176,3 @@ _REQUIRED = (
     "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
     "midlayer.mlp.down_proj.weight",
 )
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def _draft_param_name(name: str) -> str:
-    for part, (fused, _) in _FUSED.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}.")
-    return name
-
-
-def _destination(param: torch.Tensor, target: str, name: str, arch: ModelArch) -> torch.Tensor:
-    for part, (fused, index) in _FUSED.items():
-        if f".{part}." in name:
-            if fused == "gate_up_proj":
-                sizes = [arch.intermediate_size] * 2
-            else:
-                sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
-            return param.narrow(0, sum(sizes[:index]), sizes[index])
-    return param

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from eaglesrv.engine.eagle3.draft_model import DraftHeadError, Eagle3Config, Eagle3DraftModel
 from eaglesrv.engine.loader import ModelLoadError, resolve_model
 from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.engine.model.llama import fused_part_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,8 @@ def save_head(model: Eagle3DraftModel, hf_config: dict[str, Any], directory: str
         if name.startswith("embed_tokens") and not save_embedding:
             continue
         for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
-            if f".{fused}." in name:
-                arch = model.config.arch
-                sizes = ([arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
-                         if fused == "qkv_proj" else [arch.intermediate_size] * 2)
-                for part, chunk in zip(parts, tensor.split(sizes)):
+            if f".{fused}." in name:  # the published format stores the parts apart
+                for part, chunk in zip(parts, tensor.split(fused_part_sizes(name, model.config.arch))):
                     tensors[name.replace(fused, part)] = chunk.float().contiguous()
                 break
         else:

@@ -34,7 +34,8 @@ from eaglesrv.engine.eagle3.verify import accept_greedy, accept_sampling
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
-from eaglesrv.engine.sampler import SamplingBatch, compute_logprobs, processed_probs, request_uniforms, sample
+from eaglesrv.engine.model_runner import sampling_batch
+from eaglesrv.engine.sampler import compute_logprobs, processed_probs, request_uniforms, sample
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
 from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, SequenceWork
 
@@ -111,7 +112,7 @@ class Eagle3Runner:
         if plain:
             last = [offsets[i] + len(seqs[i].token_ids) - 1 for i in plain]
             logits = self.target.compute_logits(hidden[self._tensor(last)])
-            sampled = sample(logits, _sampling_batch([seqs[i] for i in plain]))
+            sampled = sample(logits, sampling_batch([seqs[i] for i in plain]))
             for i, token, logprobs in zip(plain, sampled.token_ids, sampled.logprobs):
                 results[i] = SequenceResult.single(seqs[i], token, logprobs)
         if tree_row:
@@ -172,7 +173,7 @@ class Eagle3Runner:
         if sampling:
             flat = logits[sampling].reshape(len(sampling) * n, -1)
             expanded = [seqs[order[b]] for b in sampling for _ in range(n)]
-            probs = dict(zip(sampling, processed_probs(flat, _sampling_batch(expanded)).view(len(sampling), n, -1).cpu()))
+            probs = dict(zip(sampling, processed_probs(flat, sampling_batch(expanded)).view(len(sampling), n, -1).cpu()))
         node_tokens = trees.tokens.tolist()
         for b, i in enumerate(order):
             seq = seqs[i]
@@ -240,13 +241,3 @@ def _scratch_mask(root: int, ancestry: torch.Tensor, k: int) -> torch.Tensor:
     columns = ancestry + torch.arange(depth) * k
     scratch[torch.arange(k)[:, None], columns] = True
     return torch.cat([torch.ones(k, root, dtype=torch.bool), scratch], dim=1)
-
-
-def _sampling_batch(seqs: list[SequenceWork]) -> SamplingBatch:
-    return SamplingBatch(
-        params=[s.params for s in seqs],
-        output_token_ids=[s.output_token_ids for s in seqs],
-        seeds=[s.seed for s in seqs],
-        step_indices=[len(s.output_token_ids) for s in seqs],
-        suppressed_token_ids=[s.suppressed_token_ids for s in seqs],
-    )

@@ -144,10 +144,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            target, part = _fused_target(name)
+            target, part = fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.family} model")
-            destination = params[target] if part is None else _part_view(params[target], target, part, self.arch)
+            destination = params[target] if part is None else part_view(params[target], target, part, self.arch)
             if tuple(destination.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(destination.shape)}")
             destination.copy_(tensor)
@@ -168,20 +168,24 @@ class LlamaForCausalLM(nn.Module):
                 param.copy_(values.to(param.dtype))
 
 
-def _fused_target(name: str) -> tuple[str, int | None]:
+def fused_target(name: str) -> tuple[str, int | None]:
+    """Checkpoint name -> (model parameter name, part index within it, or None if unfused)."""
     for part_name, (fused, part) in _FUSED_PARTS.items():
         if f".{part_name}." in name:
             return name.replace(f".{part_name}.", f".{fused}."), part
     return name, None
 
 
-def _part_view(param: torch.Tensor, name: str, part: int, arch: ModelArch) -> torch.Tensor:
+def fused_part_sizes(name: str, arch: ModelArch) -> list[int]:
+    """Row counts of the parts stacked in a fused parameter (q, k, v or gate, up)."""
     if ".gate_up_proj." in name:
-        sizes = [arch.intermediate_size] * 2
-    else:  # qkv_proj
-        sizes = [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
-    start = sum(sizes[:part])
-    return param.narrow(0, start, sizes[part])
+        return [arch.intermediate_size] * 2
+    return [arch.num_heads * arch.head_dim] + [arch.num_kv_heads * arch.head_dim] * 2
+
+
+def part_view(param: torch.Tensor, name: str, part: int, arch: ModelArch) -> torch.Tensor:
+    sizes = fused_part_sizes(name, arch)
+    return param.narrow(0, sum(sizes[:part]), sizes[part])
 
 
 def _complete(name: str, parts: set[int]) -> bool:
