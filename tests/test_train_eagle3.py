@@ -178,7 +178,7 @@ def test_trained_head_loads_and_keeps_greedy_output_exact(chat_model, trained):
     out, _, _ = trained
     prompts = random_prompts([7, 20, 33], 256, seed=5)
     plain = [r.output_token_ids for r in Engine(engine_config(chat_model)).generate(prompts, GREEDY)]
-    for tree in ((3, 1, 4), (5, 8, 32)):
+    for tree in ((3, 1, 4), (5, 8, 32), (6, 10, 60)):
         engine = Engine(spec_config(chat_model, str(out), *tree))
         assert [r.output_token_ids for r in engine.generate(prompts, GREEDY)] == plain
         assert engine.spec_stats["spec_verifications"] > 0
