@@ -50,6 +50,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int, default=None, help="clip ShareGPT output lengths (default 256)")
     p.add_argument("--max-input-len", type=int, default=1024, help="skip ShareGPT prompts longer than this")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--attention-backend", default="auto", help="eaglesrv attention backend (default auto: the CPU kernel)")
     p.add_argument("--output-json", default=None, help="write every figure to this JSON file")
     p.add_argument("--skip-transformers", action="store_true", help="measure eaglesrv only")
     p.add_argument("--smoke", action="store_true", help="tiny fast run for CI: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
@@ -77,7 +78,7 @@ def build_engine(args: argparse.Namespace, dtype: str) -> Engine:
         model=ModelConfig(model_path=args.model_path, dtype=dtype),
         cache=CacheConfig(page_size=PAGE_SIZE, max_total_tokens=max_tokens),
         scheduler=SchedulerConfig(max_running_requests=args.concurrency),
-        runtime=RuntimeConfig(device="cpu", num_threads=args.threads),
+        runtime=RuntimeConfig(device="cpu", num_threads=args.threads, attention_backend=args.attention_backend),
     ))
 
 

@@ -12,5 +12,8 @@ if ! python -c "import torch" 2>/dev/null; then
     $PIP install "torch==2.13.0" || $PIP install "torch>=2.4"
   fi
 fi
-$PIP install -e ".[server,test]"
+$PIP install -e ".[server,test,bench]"
 python -m eaglesrv.download   # the default model and the ShareGPT data, cached once
+# The CPU attention kernel compiles once per machine (about 30 s); do it now rather than
+# at the first server start. A failure here is not fatal: the torch backend takes over.
+python -m eaglesrv.kernels.attention.cpu_build || echo "CPU attention kernel did not build; the torch backend will be used"

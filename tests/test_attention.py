@@ -1,4 +1,4 @@
-"""The torch reference attention backend against plain per-sequence attention."""
+"""The attention backends (torch reference, CPU kernel) against plain per-sequence attention."""
 
 from __future__ import annotations
 
@@ -58,12 +58,19 @@ def random_case(spans_shape, seed=0, custom=False):
         ([(6, 5), (0, 4)], True),  # arbitrary masks (tree verification)
         ([(6, 4), (2, 4), (5, 1), (0, 4)], True),  # equal-size trees grouped together
         ([(3, 1), (300, 1), (20, 1), (700, 1), (260, 1), (0, 2)], False),  # decodes bucketed by length
+        ([(40, 100), (7, 1), (0, 65), (12, 64)], False),  # prefill chunks beside kernel rows (cpu: > 64 new -> SDPA)
+        ([(40, 70), (9, 1), (30, 33)], True),  # a large tree beside small ones
     ],
 )
-def test_torch_backend_matches_naive_attention(shape, custom):
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_matches_naive_attention(shape, custom, backend_name, dtype):
     spans, k_cache, v_cache, q, k_new, v_new, full = random_case(shape, custom=custom)
-    backend = create_attention_backend("torch", PAGE, torch.device("cpu"))
-    out = backend.forward(q, k_new, v_new, k_cache, v_cache, backend.plan(spans), DIM**-0.5)
+    k_cache, v_cache, q, k_new, v_new = (t.to(dtype) for t in (k_cache, v_cache, q, k_new, v_new))
+    backend = create_attention_backend(backend_name, PAGE, torch.device("cpu"))
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, backend.plan(spans), DIM**-0.5).float()
+    q, k_cache = q.float(), k_cache.float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     offset = 0
     for span, slots, (k, v) in zip(spans, slot_positions(spans, PAGE), full):
         total = span.num_cached + span.num_new
@@ -71,14 +78,16 @@ def test_torch_backend_matches_naive_attention(shape, custom):
             mask = span.custom_mask
         else:
             mask = torch.arange(total)[None, :] <= (span.num_cached + torch.arange(span.num_new))[:, None]
+        k, v = k.to(dtype).float(), v.to(dtype).float()
         expected = naive_attention(q[offset : offset + span.num_new], k, v, mask)
-        torch.testing.assert_close(out[offset : offset + span.num_new], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[offset : offset + span.num_new], expected, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(k_cache[slots], k)  # new keys stored at their slots
         offset += span.num_new
 
 
-def test_rejects_bad_mask_shape_and_short_page_table():
-    backend = create_attention_backend("torch", PAGE, torch.device("cpu"))
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_rejects_bad_mask_shape_and_short_page_table(backend_name):
+    backend = create_attention_backend(backend_name, PAGE, torch.device("cpu"))
     with pytest.raises(ValueError, match="mask shape"):
         backend.plan([SequenceSpan([0, 1], 2, 3, torch.ones(3, 4, dtype=torch.bool))])
     with pytest.raises(ValueError, match="too short"):

@@ -20,6 +20,7 @@ from eaglesrv.configs import EngineConfig
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.engine.model.cpu_layout import wants_input_major
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.model_runner import ModelRunner
 from eaglesrv.engine.eagle3.head_io import load_draft_head
@@ -250,6 +251,8 @@ def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter
         model.init_dummy_weights(seed)
     else:
         model.load_weights(iter_weights())
+    if wants_input_major(dtype, device):
+        model.use_input_major_weights()
     logger.info("Weights ready in %.1f s", time.monotonic() - started)
     return model.eval()
 

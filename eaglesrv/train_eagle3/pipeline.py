@@ -66,7 +66,7 @@ def head_config(engine: Engine, vocab: DraftVocab) -> dict[str, Any]:
 def target_output_rows(engine: Engine, vocab: DraftVocab) -> torch.Tensor:
     """[draft_vocab, H] float32: the target's output embedding rows of the draft's tokens."""
     target = engine.model
-    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    weight = target.output_weight()
     return weight[vocab.draft_to_target.to(weight.device)].detach().float().cpu()
 
 

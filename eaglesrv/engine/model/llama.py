@@ -16,6 +16,7 @@ from torch import nn
 
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.engine.model.cpu_layout import convert_linears
 from eaglesrv.engine.model.rope import RotaryEmbedding
 
 
@@ -109,6 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.model = LlamaModel(arch)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.logits_weight_t: torch.Tensor | None = None  # set by use_input_major_weights
 
     def forward(
         self,
@@ -132,8 +134,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.logits_weight_t is not None:
+            return torch.mm(hidden, self.logits_weight_t).float()
+        return F.linear(hidden, self.output_weight()).float()
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection as [vocab, hidden], whatever its storage."""
+        if self.logits_weight_t is not None:
+            return self.logits_weight_t.t()
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def use_input_major_weights(self) -> None:
+        """After loading: store linear weights [in, out] (see cpu_layout). A tied lm_head
+        gets its own transposed copy; the embedding keeps its rows for lookups."""
+        convert_linears(self.model)
+        self.logits_weight_t = self.output_weight().detach().t().contiguous()
+        self.lm_head = None
 
     # ---- weights ---------------------------------------------------------------------
     @torch.no_grad()

@@ -1,6 +1,6 @@
-"""Attention backends: one interface, a registry, and the torch reference."""
+"""Attention backends: one interface, a registry, the torch reference and the CPU kernel."""
 
 from eaglesrv.kernels.attention.base import AttentionBackend, AttentionMetadata, SequenceSpan
-from eaglesrv.kernels.attention.registry import create_attention_backend, available_backends
+from eaglesrv.kernels.attention.registry import create_attention_backend, resolve_backend_name
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "SequenceSpan", "available_backends", "create_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "SequenceSpan", "create_attention_backend", "resolve_backend_name"]

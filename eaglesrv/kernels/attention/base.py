@@ -63,6 +63,35 @@ class AttentionBackend(abc.ABC):
         """Store the new K/V in the cache, then attend."""
 
 
+def check_page_tables(spans: list[SequenceSpan], page_size: int) -> None:
+    if any(len(s.page_table) * page_size < s.num_cached + s.num_new for s in spans):
+        raise ValueError("a page table is too short for its sequence")
+
+
+def checked_mask(span: SequenceSpan) -> torch.Tensor:
+    """The span's custom mask as a contiguous CPU bool tensor, after checking its shape."""
+    expected = (span.num_new, span.num_cached + span.num_new)
+    if tuple(span.custom_mask.shape) != expected:
+        raise ValueError(f"custom mask shape {tuple(span.custom_mask.shape)} != {expected}")
+    return span.custom_mask.to(device="cpu", dtype=torch.bool).contiguous()
+
+
+def first_rows(spans: list[SequenceSpan]) -> torch.Tensor:
+    """Packed row of each span's first new token."""
+    sizes = torch.tensor([s.num_new for s in spans], dtype=torch.long)
+    return sizes.cumsum(0) - sizes
+
+
+def new_token_slots(spans: list[SequenceSpan], page_size: int) -> torch.Tensor:
+    """[num_tokens] cache slot of every new token, packed in span order."""
+    slots = [
+        span.page_table[t // page_size] * page_size + t % page_size
+        for span in spans
+        for t in range(span.num_cached, span.num_cached + span.num_new)
+    ]
+    return torch.tensor(slots, dtype=torch.long)
+
+
 def slot_positions(spans: list[SequenceSpan], page_size: int) -> list[list[int]]:
     """Cache slot of every token 0 .. num_cached + num_new - 1 of each sequence."""
     slots = []

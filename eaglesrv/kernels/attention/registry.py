@@ -1,4 +1,4 @@
-"""Attention backends by name. flashinfer is imported only when asked for."""
+"""Attention backends by name. flashinfer and the CPU kernel are loaded only when asked for."""
 
 from __future__ import annotations
 
@@ -9,23 +9,31 @@ import torch
 from eaglesrv.kernels.attention.base import AttentionBackend
 
 
-def available_backends(device: torch.device) -> list[str]:
-    names = ["torch"]
-    if device.type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
-        names.append("flashinfer")
-    return names
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto": flashinfer on CUDA when installed; the C++ kernel on the CPU when it builds
+    (it compiles once per machine); the torch reference otherwise."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "torch"
+    from eaglesrv.kernels.attention.cpu_build import cpu_attention_available
+
+    return "cpu" if device.type == "cpu" and cpu_attention_available() else "torch"
 
 
 def create_attention_backend(name: str, page_size: int, device: torch.device) -> AttentionBackend:
-    """name: "auto" (flashinfer on CUDA when installed, else torch), "torch" or "flashinfer"."""
-    if name == "auto":
-        name = "flashinfer" if "flashinfer" in available_backends(device) else "torch"
+    """name: "auto", "torch", "cpu" or "flashinfer"."""
+    name = resolve_backend_name(name, device)
     if name == "torch":
         from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 
         return TorchAttentionBackend(page_size, device)
+    if name == "cpu":
+        from eaglesrv.kernels.attention.cpu_paged import CpuAttentionBackend
+
+        return CpuAttentionBackend(page_size, device)
     if name == "flashinfer":
         raise NotImplementedError(
             "the flashinfer attention backend has not landed yet; use --attention-backend torch"
         )
-    raise ValueError(f"unknown attention backend {name!r}; choose from auto, torch, flashinfer")
+    raise ValueError(f"unknown attention backend {name!r}; choose from auto, torch, cpu, flashinfer")

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eaglesrv.kernels.attention.base import AttentionBackend, AttentionMetadata, SequenceSpan
+from eaglesrv.kernels.attention.base import (
+    AttentionBackend, AttentionMetadata, SequenceSpan, check_page_tables, checked_mask, first_rows, new_token_slots,
+)
 
 
 @dataclass
@@ -38,40 +40,49 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, spans: list[SequenceSpan]) -> TorchAttentionMetadata:
-        if any(len(s.page_table) * self.page_size < s.num_cached + s.num_new for s in spans):
-            raise ValueError("a page table is too short for its sequence")
-        first_row = torch.tensor([s.num_new for s in spans]).cumsum(0) - torch.tensor([s.num_new for s in spans])
-        by_size: dict[int, list[int]] = {}
-        for index, span in enumerate(spans):
-            by_size.setdefault(span.num_new, []).append(index)
-        new_slots = torch.empty(int(sum(s.num_new for s in spans)), dtype=torch.long)
-        groups = []
-        for size, same_size in by_size.items():
-            for members in _length_buckets(same_size, spans):
-                group, slots = _plan_group([spans[i] for i in members], first_row[members], size, self.page_size)
-                groups.append(_to(group, self.device))
-                for row, sequence_slots in zip(first_row[members].tolist(), slots):
-                    new_slots[row : row + size] = sequence_slots
-        return TorchAttentionMetadata(new_slots=new_slots.to(self.device), groups=groups)
-
+        check_page_tables(spans, self.page_size)
+        groups = plan_groups(spans, first_rows(spans), self.page_size, self.device)
+        return TorchAttentionMetadata(new_slots=new_token_slots(spans, self.page_size).to(self.device), groups=groups)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
-        # index_select/index_copy_ rather than advanced indexing: several times faster on the CPU.
-        k_cache.index_copy_(0, metadata.new_slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, metadata.new_slots, v.to(v_cache.dtype))
+        store_new_kv(k, v, k_cache, v_cache, metadata.new_slots)
         out = torch.empty_like(q)
-        for group in metadata.groups:
-            size, length = group.query_rows.shape[1], group.key_slots.shape[1]
-            rows, slots = group.query_rows.reshape(-1), group.key_slots.reshape(-1)
-            queries = q.index_select(0, rows).view(-1, size, *q.shape[1:]).transpose(1, 2)  # [G, H, Q, D]
-            keys = k_cache.index_select(0, slots).view(-1, length, *k_cache.shape[1:]).transpose(1, 2)
-            values = v_cache.index_select(0, slots).view(-1, length, *v_cache.shape[1:]).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(
-                queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask, scale=scale,
-                enable_gqa=queries.shape[1] != keys.shape[1],
-            )
-            out.index_copy_(0, rows, attended.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        attend_groups(q, k_cache, v_cache, metadata.groups, scale, out)
         return out
+
+
+def store_new_kv(k, v, k_cache, v_cache, new_slots: torch.Tensor) -> None:
+    # index_copy_ rather than advanced indexing: several times faster on the CPU.
+    k_cache.index_copy_(0, new_slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, new_slots, v.to(v_cache.dtype))
+
+
+def plan_groups(spans: list[SequenceSpan], span_first_rows: torch.Tensor, page_size: int, device) -> list[SpanGroup]:
+    """Groups of same-size, similar-length sequences; span_first_rows[i] is the packed row of
+    span i's first new token."""
+    by_size: dict[int, list[int]] = {}
+    for index, span in enumerate(spans):
+        by_size.setdefault(span.num_new, []).append(index)
+    return [
+        _to(_plan_group([spans[i] for i in members], span_first_rows[members], size, page_size), device)
+        for size, same_size in by_size.items()
+        for members in _length_buckets(same_size, spans)
+    ]
+
+
+def attend_groups(q, k_cache, v_cache, groups: list[SpanGroup], scale: float, out: torch.Tensor) -> None:
+    """Gather each group's keys out of the pages and run one masked SDPA per group into `out`."""
+    for group in groups:
+        size, length = group.query_rows.shape[1], group.key_slots.shape[1]
+        rows, slots = group.query_rows.reshape(-1), group.key_slots.reshape(-1)
+        queries = q.index_select(0, rows).view(-1, size, *q.shape[1:]).transpose(1, 2)  # [G, H, Q, D]
+        keys = k_cache.index_select(0, slots).view(-1, length, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, slots).view(-1, length, *v_cache.shape[1:]).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=group.mask, scale=scale,
+            enable_gqa=queries.shape[1] != keys.shape[1],
+        )
+        out.index_copy_(0, rows, attended.transpose(1, 2).reshape(-1, *q.shape[1:]))
 
 
 def _length_buckets(members: list[int], spans: list[SequenceSpan], ratio: float = 1.5, floor: int = 256):
@@ -89,8 +100,8 @@ def _length_buckets(members: list[int], spans: list[SequenceSpan], ratio: float 
     return [[index for index, _ in bucket] for bucket in buckets]
 
 
-def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, page_size: int):
-    """Tensors for sequences that all add `size` tokens; also each one's new-token slots."""
+def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, page_size: int) -> SpanGroup:
+    """Tensors for sequences that all add `size` tokens."""
     cached = torch.tensor([s.num_cached for s in spans])
     total = cached + size
     max_pages = max(len(s.page_table) for s in spans)
@@ -103,19 +114,11 @@ def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, 
     mask = (key_pos[None, None, :] <= cached[:, None, None] + query_pos[None, :, None]) & key_valid[:, None, :]
     for g, span in enumerate(spans):
         if span.custom_mask is not None:
-            mask[g, :, : span.num_cached + size] = _checked_mask(span)
+            mask[g, :, : span.num_cached + size] = checked_mask(span)
             mask[g, :, span.num_cached + size :] = False
-    new_slots = [key_slots[g, c : c + size] for g, c in enumerate(cached.tolist())]
     query_rows = first_rows[:, None] + query_pos[None, :]
-    return SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask.unsqueeze(1)), new_slots
+    return SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask.unsqueeze(1))
 
 
 def _to(group: SpanGroup, device: torch.device) -> SpanGroup:
     return SpanGroup(group.query_rows.to(device), group.key_slots.to(device), group.mask.to(device))
-
-
-def _checked_mask(span: SequenceSpan) -> torch.Tensor:
-    expected = (span.num_new, span.num_cached + span.num_new)
-    if tuple(span.custom_mask.shape) != expected:
-        raise ValueError(f"custom mask shape {tuple(span.custom_mask.shape)} != {expected}")
-    return span.custom_mask.to(device="cpu", dtype=torch.bool)

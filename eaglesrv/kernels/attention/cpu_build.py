@@ -1,0 +1,71 @@
+"""Builds (once per machine) and loads the C++ paged-attention kernel for the CPU.
+
+torch.utils.cpp_extension compiles csrc/paged_attention_cpu.cpp with the machine's g++ and
+caches the result under $TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions); later
+loads take well under a second. The build uses -march=native, so the extension's name
+carries a hash of the CPU's feature flags: a cache copied to a different CPU (a Docker
+image, a shared home directory) builds afresh instead of loading code that may not run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+# -ffast-math lets the softmax exp vectorize; the kernel uses no infinities or NaNs.
+# -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The extension
+# then needs libgomp.so.1, and the dynamic loader reuses the one torch has already loaded,
+# so both share one thread pool.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+LDFLAGS = ["-fopenmp"]
+
+
+def _cpu_signature() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+@functools.cache
+def load_cpu_attention() -> ModuleType:
+    """The compiled module; raises RuntimeError (with the compiler's reason) if it cannot build."""
+    from torch.utils import cpp_extension
+
+    name = f"eaglesrv_paged_attention_cpu_{_cpu_signature()}"
+    started = time.monotonic()
+    logger.info("loading the CPU paged-attention kernel (the first load on a machine compiles it, about 30 s)")
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                      extra_ldflags=LDFLAGS, verbose=False)
+    except Exception as error:  # compiler missing, headers missing, ninja missing...
+        raise RuntimeError(f"could not build the CPU attention kernel: {error}") from error
+    logger.info("CPU paged-attention kernel ready in %.1f s", time.monotonic() - started)
+    return module
+
+
+def cpu_attention_available() -> bool:
+    try:
+        load_cpu_attention()
+    except RuntimeError as error:
+        logger.warning("%s; falling back to the torch attention backend", error)
+        return False
+    return True
+
+
+if __name__ == "__main__":  # `python -m eaglesrv.kernels.attention.cpu_build`: build ahead of time
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_cpu_attention()
