@@ -97,3 +97,16 @@ def test_rejects_bad_mask_shape_and_short_page_table(backend_name):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown attention backend"):
         create_attention_backend("nope", PAGE, torch.device("cpu"))
+
+
+def test_auto_picks_the_cpu_kernel_and_falls_back_to_torch_without_it(monkeypatch):
+    from eaglesrv.kernels.attention import cpu_build, resolve_backend_name
+
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+
+    def no_compiler():
+        raise RuntimeError("could not build the CPU attention kernel: no g++")
+
+    monkeypatch.setattr(cpu_build, "load_cpu_attention", no_compiler)
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    assert create_attention_backend("auto", PAGE, torch.device("cpu")).name == "torch"
