@@ -52,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eagle-configs", nargs="+", type=EagleTree.parse, default=None, metavar="STEPS,TOPK,TOKENS",
                    help="one EAGLE-3 server per setting (SGLang's --speculative-num-steps, -eagle-topk, "
                         "-num-draft-tokens); default with a draft path: 5,8,32")
+    p.add_argument("--adaptive-configs", nargs="+", type=EagleTree.parse, default=[], metavar="STEPS,TOPK,TOKENS",
+                   help="one --speculative-adaptive server per setting, the largest tree its steps may use")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help='one more configuration, e.g. --config "adaptive=--speculative-algorithm EAGLE3 ..." '
                         "(repeatable)")
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_matplotlib()
     server_args = tuple(shlex.split(args.server_args))
     _check_server_args(server_args)
-    configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config)
+    configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config, args.adaptive_configs)
     tokenizer = load_tokenizer(args.tokenizer or args.model_path)  # None: the default model's
     rows = requests_from_args(args, tokenizer)
     print(summarize(rows))

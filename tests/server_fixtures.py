@@ -8,7 +8,6 @@ for one model load; tests that must stop a server start their own.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from eaglesrv.utils.processes import stop_process
 
 API_KEY = "test-key"
 CONTEXT_LENGTH = 1024
@@ -36,7 +37,7 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -48,7 +49,7 @@ class LiveServer:
         threads = () if "--num-threads" in args else ("--num-threads", "1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "eaglesrv.launch", "--port", str(self.port), *threads, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     @property
@@ -100,15 +101,9 @@ class LiveServer:
         return state
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = stop_process(self.process, timeout_s)
         self._log.close()
-        return self.process.returncode
+        return code
 
 
 def byte_level_tokenizer():

@@ -42,6 +42,10 @@ def test_configuration_flags() -> None:
     assert extra[1].name == "adaptive" and extra[1].server_args == ("--speculative-algorithm", "EAGLE3", "--x", "a b")
     with pytest.raises(ValueError, match="draft-model-path"):
         build_configs(None, [EagleTree(3, 1, 4)])
+    adaptive = parse_args(["--speculative-draft-model-path", "H", "--adaptive-configs", "5,8,32"])
+    configs = build_configs(adaptive.speculative_draft_model_path, adaptive.eagle_configs, [], adaptive.adaptive_configs)
+    assert [c.name for c in configs] == ["plain", "eagle3 (5,8,32)", "adaptive (<=5,8,32)"]
+    assert configs[2].server_args == configs[1].server_args + ("--speculative-adaptive",)
     with pytest.raises(ValueError, match="must differ"):
         build_configs(None, [], ["plain=--num-threads 1"])
     with pytest.raises(ValueError, match="STEPS,TOPK"):

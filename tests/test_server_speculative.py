@@ -60,3 +60,30 @@ def test_greedy_over_http_with_eagle3_equals_the_plain_engine(spec_server, tiny_
         metrics = http.get("/metrics").text
     for name in ("eaglesrv:spec_accept_length", "eaglesrv:spec_verifications_total", "eaglesrv:spec_acceptance_rate"):
         assert name in metrics
+
+
+def test_adaptive_server_reports_its_mode(tiny_llama_dir, tmp_path_factory):
+    head = save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("adaptive-head"))
+    cache = tmp_path_factory.mktemp("cost-cache")
+    server = LiveServer(
+        "--model-path", tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--max-total-tokens", "4096",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-num-steps", "3",
+        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", "--speculative-adaptive",
+        "--enable-metrics", env={"EAGLESRV_CACHE": str(cache)},
+    )
+    prompts = random_prompts((7, 23), 256, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = [r.output_token_ids for r in Engine(engine_config(tiny_llama_dir)).generate(prompts, params)]
+    try:
+        with server.wait_healthy().client() as http:
+            items = http.post("/generate", json={
+                "input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True},
+            }).json()
+            assert [item["output_ids"] for item in items] == expected
+            info = http.get("/get_server_info").json()["internal_states"][0]
+            metrics = http.get("/metrics").text
+    finally:
+        server.stop()
+    assert info["spec_adaptive"] is True and info["spec_steps_plain"] + info["spec_steps_speculative"] > 0
+    assert 'eaglesrv:spec_mode{knob="num_steps"' in metrics and "eaglesrv:spec_adaptive_steps_total" in metrics
+    assert list(cache.glob("cost_models/*.json")), "the measured cost model is cached"

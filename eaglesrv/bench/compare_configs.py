@@ -52,6 +52,12 @@ def eagle3(draft_model_path: str, tree: EagleTree) -> ServerConfig:
     ))
 
 
+def adaptive(draft_model_path: str, largest: EagleTree) -> ServerConfig:
+    """--speculative-adaptive with `largest` as the biggest tree a step may use."""
+    static = eagle3(draft_model_path, largest)
+    return ServerConfig(f"adaptive (<={largest})", static.server_args + ("--speculative-adaptive",))
+
+
 def custom(spec: str) -> ServerConfig:
     """--config "NAME=FLAGS": any other configuration, e.g. "adaptive=--speculative-algorithm EAGLE3 ..."."""
     name, sep, flags = spec.partition("=")
@@ -61,13 +67,14 @@ def custom(spec: str) -> ServerConfig:
 
 
 def build_configs(draft_model_path: str | None, trees: Sequence[EagleTree],
-                  extra: Sequence[str] = ()) -> list[ServerConfig]:
-    """plain first (the ratios' baseline), then one EAGLE-3 server per tree, then --config ones."""
-    if trees and not draft_model_path:
+                  extra: Sequence[str] = (), adaptive_trees: Sequence[EagleTree] = ()) -> list[ServerConfig]:
+    """plain first (the ratios' baseline), then one EAGLE-3 server per tree, one adaptive
+    server per largest tree, then --config ones."""
+    if (trees or adaptive_trees) and not draft_model_path:
         raise ValueError("EAGLE-3 settings need --speculative-draft-model-path")
     configs = [plain()]
     configs += [eagle3(draft_model_path, tree) for tree in trees]
-    # The adaptive mode, once it lands, is one line here: configs.append(adaptive(draft_model_path)).
+    configs += [adaptive(draft_model_path, tree) for tree in adaptive_trees]
     configs += [custom(spec) for spec in extra]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):

@@ -7,7 +7,6 @@ configuration starts from the same state (no KV pages, counters or warm caches l
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Sequence
 
 import httpx
+
+from eaglesrv.utils.processes import stop_process
 
 RESERVED_FLAGS = ("--host", "--port")  # the launcher picks them
 
@@ -82,14 +83,8 @@ class ManagedServer:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM (the server drains and exits 0), then SIGKILL if it does not."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, timeout_s)
 
     def __enter__(self) -> "ManagedServer":
         return self.start()

@@ -70,6 +70,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(("--speculative-eagle-topk",), "speculative", "eagle_topk", "Draft branching per step.", int),
     Flag(("--speculative-num-draft-tokens",), "speculative", "num_draft_tokens",
          "Tree nodes verified per request, root included.", int),
+    Flag(("--speculative-adaptive",), "speculative", "adaptive",
+         "Choose per step between plain decoding, chains and trees up to the flags above, from measured costs "
+         "and live acceptance.", store_true=True),
     Flag(("--device",), "runtime", "device", "Where to run.", str, DEVICES),
     Flag(("--attention-backend",), "runtime", "attention_backend", "Attention kernels.", str, ATTENTION_BACKENDS),
     Flag(("--cuda-graph-max-bs",), "runtime", "cuda_graph_max_bs", "Largest batch captured in a CUDA graph.", int),

@@ -23,6 +23,8 @@ from eaglesrv.engine.model.arch import ModelArch
 from eaglesrv.engine.model.cpu_layout import wants_input_major
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.model_runner import ModelRunner
+from eaglesrv.engine.adaptive.calibrate import load_or_measure
+from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.eagle3.runner import Eagle3Runner
 from eaglesrv.engine.eagle3.stats import SpecStats
@@ -92,10 +94,13 @@ class Engine:
                 decode_lookahead=self.runner.lookahead, decode_cost=self.runner.num_nodes,
             )
             logger.info(
-                "EAGLE-3: steps %d, topk %d, %d tree nodes; features from target layers %s",
+                "EAGLE-3: steps %d, topk %d, %d tree nodes; features from target layers %s%s",
                 config.speculative.num_steps, config.speculative.eagle_topk, self.runner.num_nodes,
-                self.runner.capture_layers,
+                self.runner.capture_layers, "; adaptive (these are the largest)" if config.speculative.adaptive else "",
             )
+            if config.speculative.adaptive:
+                costs = load_or_measure(self.runner, self.scheduler.pages, config.scheduler.max_running_requests)
+                self.runner.adaptive = AdaptiveSpeculation(self.runner.largest, costs)
         self._seed_source = random.Random(config.model.random_seed)
         self._stats_logger = StepStatsLogger()
         self._inbox_lock = threading.Lock()  # guards the three fields below
@@ -136,6 +141,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step: take in new requests and aborts, schedule, run, update."""
         outputs = self._drain_inbox()
+        if isinstance(self.runner, Eagle3Runner):
+            self.scheduler.decode_cost = self.runner.planned_decode_cost
         batch = self.scheduler.schedule()
         if not batch.is_empty:
             outputs += self.scheduler.update(batch, self.runner.run(batch))
@@ -198,6 +205,8 @@ class Engine:
         self.generate([[0] * 4], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         if isinstance(self.runner, Eagle3Runner):
             self.runner.stats = SpecStats(self.config.speculative.num_steps)  # count real traffic only
+            if self.runner.adaptive is not None:
+                self.runner.adaptive = self.runner.adaptive.restart()
 
     # ---- text -----------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -238,7 +247,12 @@ class Engine:
     @property
     def spec_stats(self) -> dict | None:
         """Speculation counters (accept length, per-depth acceptance), or None without it."""
-        return self.runner.stats.snapshot() if isinstance(self.runner, Eagle3Runner) else None
+        if not isinstance(self.runner, Eagle3Runner):
+            return None
+        snapshot = self.runner.stats.snapshot()
+        if self.runner.adaptive is not None:
+            snapshot.update(self.runner.adaptive.snapshot())
+        return snapshot
 
 
 def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter_weights, seed: int):

@@ -29,6 +29,8 @@ class StepStatsLogger:
             accepted = spec["spec_accepted_tokens"] - self._window_accepted
             if verifications:
                 line += f", accept length {accepted / verifications:.2f}"
+            if spec.get("spec_adaptive"):
+                line += f", speculation {spec['spec_mode']}"
             self._window_verifications = spec["spec_verifications"]
             self._window_accepted = spec["spec_accepted_tokens"]
         logger.info(line)

@@ -103,3 +103,19 @@ class _SpeculationCollector:
         for depth, rate in enumerate(spec.get("spec_acceptance_by_depth", []), start=1):
             by_depth.add_metric([self._model, str(depth)], float(rate))
         yield by_depth
+        if spec.get("spec_adaptive"):
+            yield from self._adaptive(spec)
+
+    def _adaptive(self, spec: dict):
+        """--speculative-adaptive: the mode the last step chose, and steps per kind."""
+        mode = GaugeMetricFamily("eaglesrv:spec_mode", "Tree of the last step (0s: plain decoding), and how many "
+                                 "requests used it.", labels=["model_name", "knob"])
+        for knob, key in (("num_steps", "spec_mode_num_steps"), ("eagle_topk", "spec_mode_topk"),
+                          ("num_draft_tokens", "spec_mode_draft_tokens"), ("requests", "spec_mode_requests")):
+            mode.add_metric([self._model, knob], float(spec.get(key, 0)))
+        yield mode
+        steps = CounterMetricFamily("eaglesrv:spec_adaptive_steps", "Engine steps by the mode the policy chose.",
+                                    labels=["model_name", "mode"])
+        for kind in ("plain", "speculative"):
+            steps.add_metric([self._model, kind], float(spec.get(f"spec_steps_{kind}", 0)))
+        yield steps

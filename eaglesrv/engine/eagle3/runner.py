@@ -18,18 +18,28 @@ Slots of a decoding request at root position n (pages reserved by the scheduler)
     target: n = root, n+1 .. n+N-1 = tree nodes in node order (verified, then compacted)
     draft:  n + (f-1)*topk + j = frontier node j of draft pass f (scratch, overwritten
             by step 5 of the same step)
+
+Static (the default): every step uses the configured tree for every request that may
+speculate. Adaptive (`adaptive` given): each step's shape and the requests that use it come
+from the policy (adaptive/policy.py). A request that does not speculate skips steps 1 and
+5: its features wait in the backlog, and one draft extend over them (step 0, catch-up)
+precedes its next tree, so the draft sees every token exactly as in the static mode.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from eaglesrv.configs import SpeculativeConfig
+from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
+from eaglesrv.engine.adaptive.policy import StepLoad
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.eagle3.stats import SpecStats
-from eaglesrv.engine.eagle3.tree import DraftTree, TreeBuilder, tree_size
+from eaglesrv.engine.eagle3.shape import TreeShape
+from eaglesrv.engine.eagle3.tree import DraftTree, TreeBuilder
 from eaglesrv.engine.eagle3.verify import accept_greedy, accept_sampling
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.kv_cache import KVPool
@@ -66,10 +76,20 @@ class Eagle3Runner:
         self.device = device
         self.spec = spec
         self.capture_layers = draft.config.capture_layers(target.arch.num_layers)
-        self.num_nodes = tree_size(spec.num_steps, spec.eagle_topk, spec.num_draft_tokens)
+        self.largest = TreeShape.from_config(spec)  # the configured tree: the most any step verifies
+        self.num_nodes = self.largest.nodes
         self.scratch_slots = (spec.num_steps - 1) * spec.eagle_topk
         self.roots: dict[str, RootState] = {}  # owned here; the engine calls forget() on finish
         self.stats = SpecStats(spec.num_steps)
+        self.adaptive: AdaptiveSpeculation | None = None  # set by the engine for --speculative-adaptive
+
+    @property
+    def planned_decode_cost(self) -> int:
+        """Rows a decoding request is likely to take next step (the scheduler's token budget)."""
+        if self.adaptive is None:
+            return self.num_nodes
+        last = self.adaptive.last
+        return last.shape.nodes if last is not None and last.shape is not None else 1
 
     @property
     def lookahead(self) -> int:
@@ -79,13 +99,25 @@ class Eagle3Runner:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.roots.pop(request_id, None)
+            if self.adaptive is not None:
+                self.adaptive.forget(request_id)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
         seqs = batch.sequences
-        speculating = [i for i, seq in enumerate(seqs) if self._may_speculate(seq)]
-        trees = self._draft([seqs[i] for i in speculating]) if speculating else None
+        eligible = [i for i, seq in enumerate(seqs) if self._may_speculate(seq)]
+        decision = None
+        if self.adaptive is None:
+            shape, speculating = self.largest, eligible
+        else:
+            decision = self._decide(seqs, eligible)
+            shape, speculating = decision.shape, sorted(eligible[k] for k in decision.speculating)
+        started = time.perf_counter()
+        if speculating and self.adaptive is not None:
+            self._catch_up([seqs[i] for i in speculating])  # 0. draft up to date first
+        trees = self._draft(shape, [seqs[i] for i in speculating]) if speculating else None
         tree_row = {seq_index: row for row, seq_index in enumerate(speculating)}
+        num_nodes = trees.num_nodes if trees is not None else 0
 
         # 2. one target pass over every sequence
         token_ids, positions, spans, offsets = [], [], [], []
@@ -96,8 +128,8 @@ class Eagle3Runner:
                 row = tree_row[i]
                 token_ids.extend(trees.tokens[row].tolist())
                 positions.extend((seq.num_cached + trees.depths[row]).tolist())
-                mask = torch.cat([torch.ones(self.num_nodes, seq.num_cached, dtype=torch.bool), tree_masks[row]], 1)
-                spans.append(SequenceSpan(seq.page_table, seq.num_cached, self.num_nodes, mask))
+                mask = torch.cat([torch.ones(num_nodes, seq.num_cached, dtype=torch.bool), tree_masks[row]], 1)
+                spans.append(SequenceSpan(seq.page_table, seq.num_cached, num_nodes, mask))
             else:
                 token_ids.extend(seq.token_ids)
                 positions.extend(range(seq.num_cached, seq.num_cached + len(seq.token_ids)))
@@ -116,34 +148,61 @@ class Eagle3Runner:
             for i, token, logprobs in zip(plain, sampled.token_ids, sampled.logprobs):
                 results[i] = SequenceResult.single(seqs[i], token, logprobs)
         if tree_row:
-            self._verify(seqs, trees, tree_row, offsets, hidden, results, kept_rows)
+            self._verify(shape, seqs, trees, tree_row, offsets, hidden, results, kept_rows)
 
         # 5. draft extend over what each sequence committed this step
         self._extend(seqs, results, offsets, kept_rows, features)
+        if decision is not None:
+            self.adaptive.observe(decision, time.perf_counter() - started)
         return [results[i] for i in range(len(seqs)) if seqs[i].sample]
+
+    def _decide(self, seqs: list[SequenceWork], eligible: list[int]):
+        decoding = sum(1 for seq in seqs if seq.sample and len(seq.token_ids) == 1)
+        other_rows = sum(len(seq.token_ids) for seq in seqs) - decoding
+        ids = [seqs[i].request_id for i in eligible]
+        load = StepLoad(decoding, [self.adaptive.acceptance.multiplier(rid) for rid in ids], other_rows)
+        return self.adaptive.decide(load, ids)
 
     # ---- 1. drafting ------------------------------------------------------------------
     def _may_speculate(self, seq: SequenceWork) -> bool:
-        state = self.roots.get(seq.request_id)
         return (
             seq.sample
             and len(seq.token_ids) == 1
-            and state is not None
-            and state.position == seq.num_cached
+            and self._draft_is_current(seq)
             and not seq.params.uses_penalties  # penalties would change along a path
             and not seq.suppressed_token_ids  # so would min_tokens' suppression
             and seq.num_cached + self.lookahead + 1 <= min(seq.max_context_len, self.target.arch.max_position_embeddings)
         )
 
-    def _draft(self, seqs: list[SequenceWork]) -> DraftTree:
-        k = self.spec.eagle_topk
+    def _draft_is_current(self, seq: SequenceWork) -> bool:
+        """The draft has seen every committed token: its root state sits at the root, or
+        (adaptive) the backlog holds exactly the rest."""
+        if self.adaptive is not None and self.adaptive.backlog.end(seq.request_id) is not None:
+            return self.adaptive.backlog.end(seq.request_id) == seq.num_cached
+        state = self.roots.get(seq.request_id)
+        return state is not None and state.position == seq.num_cached
+
+    def _catch_up(self, seqs: list[SequenceWork]) -> None:
+        """One draft extend over the backlog of every request about to draft after a spell
+        without speculation: afterwards its root state sits at its root."""
+        entries = []
+        for seq in seqs:
+            held = self.adaptive.backlog.take(seq.request_id)
+            if held is not None:
+                start, tokens, features = held
+                entries.append(_ExtendEntry(seq, start, tokens, features, keeps_root=True))
+        if entries:
+            self._draft_extend(entries)
+
+    def _draft(self, shape: TreeShape, seqs: list[SequenceWork]) -> DraftTree:
+        k = shape.topk
         states = [self.roots[seq.request_id] for seq in seqs]
         roots = [seq.num_cached for seq in seqs]
-        builder = TreeBuilder(self._tensor([seq.token_ids[0] for seq in seqs]).cpu(), k, self.spec.num_draft_tokens)
+        builder = TreeBuilder(self._tensor([seq.token_ids[0] for seq in seqs]).cpu(), k, shape.nodes)
         frontier = builder.expand_root(torch.stack([s.logprobs for s in states]).cpu())
         features = torch.stack([s.hidden for s in states]).unsqueeze(1).expand(-1, k, -1)  # [B, k, H]
         ancestry = torch.arange(k).expand(len(seqs), k).unsqueeze(-1)  # [B, k, depth] scratch slot per depth
-        for depth in range(1, self.spec.num_steps):
+        for depth in range(1, shape.steps):
             spans = [
                 SequenceSpan(seq.page_table, n + (depth - 1) * k, k, _scratch_mask(n, ancestry[b], k))
                 for b, (seq, n) in enumerate(zip(seqs, roots))
@@ -161,9 +220,9 @@ class Eagle3Runner:
         return builder.finish(self.draft.draft_to_target.cpu())
 
     # ---- 3. acceptance ---------------------------------------------------------------
-    def _verify(self, seqs, trees: DraftTree, tree_row, offsets, hidden, results, kept_rows) -> None:
+    def _verify(self, shape, seqs, trees: DraftTree, tree_row, offsets, hidden, results, kept_rows) -> None:
         """Accept a path through every tree; all node logits in one batched pass."""
-        n = self.num_nodes
+        n = trees.num_nodes
         order = list(tree_row)  # sequence indices, in tree-row order
         rows = [offsets[i] + node for i in order for node in range(n)]
         logits = self.target.compute_logits(hidden[self._tensor(rows)]).view(len(order), n, -1)
@@ -180,12 +239,14 @@ class Eagle3Runner:
             children = trees.children(b)
             if b in probs:
                 first = len(seq.output_token_ids)
-                draws = self.spec.eagle_topk + 1
+                draws = shape.topk + 1
                 acceptance = accept_sampling(node_tokens[b], children, probs[b],
                                              lambda d, s=seq.seed, f=first: request_uniforms(s, f + d, draws))
             else:
                 acceptance = accept_greedy(node_tokens[b], children, argmax[b])
             self.stats.record(len(acceptance.path))
+            if self.adaptive is not None:
+                self.adaptive.acceptance.record(seq.request_id, shape, _trials(trees, b, children, acceptance.path))
             tokens = acceptance.tokens(node_tokens[b])
             chooser = [0] + acceptance.path  # node whose logits chose each emitted token
             logprobs = compute_logprobs(logits[b][self._tensor(chooser)], tokens, [seq.params] * len(tokens))
@@ -207,30 +268,90 @@ class Eagle3Runner:
 
     # ---- 5. draft extend -------------------------------------------------------------
     def _extend(self, seqs, results, offsets, kept_rows, features) -> None:
-        token_ids, positions, rows, spans, finals = [], [], [], [], []
+        """Feed the draft what each sequence committed this step (or, adaptive, hold it in
+        the backlog for sequences that did not speculate)."""
+        entries, held = [], []
         for i, seq in enumerate(seqs):
             if i in kept_rows:
                 committed = results[i].token_ids  # accepted tokens + bonus: x_{n+1} .. x_{n+m}
-                seq_rows = kept_rows[i]
+                rows = kept_rows[i]
             else:
                 following = results[i].token_ids[0] if seq.sample else seq.next_token_id
                 committed = list(seq.token_ids[1:]) + [following]
-                seq_rows = list(range(offsets[i], offsets[i] + len(seq.token_ids)))
-            token_ids.extend(committed)
-            positions.extend(range(seq.num_cached, seq.num_cached + len(committed)))
-            rows.extend(seq_rows)
-            spans.append(SequenceSpan(seq.page_table, seq.num_cached, len(committed)))
-            finals.append((seq, len(token_ids) - 1, seq.num_cached + len(committed)))
+                rows = list(range(offsets[i], offsets[i] + len(seq.token_ids)))
+            if self.adaptive is not None and i not in kept_rows:
+                held.append((seq, committed, rows))
+            else:
+                entries.append(_ExtendEntry(seq, seq.num_cached, committed, rows, keeps_root=seq.sample))
+        if held:
+            entries += self._hold(held, features)
+        if entries:
+            self._draft_extend(entries, features)
+
+    def _hold(self, held, features) -> list["_ExtendEntry"]:
+        """Put non-speculating sequences' features in the backlog; returns extends for
+        backlogs that grew past the limit (drained now, to bound memory)."""
+        backlog = self.adaptive.backlog
+        gathered = features[self._tensor([row for _, _, rows in held for row in rows])]  # one copy for all
+        drained, offset = [], 0
+        for seq, committed, rows in held:
+            piece = gathered[offset : offset + len(rows)]
+            offset += len(rows)
+            if backlog.end(seq.request_id) not in (None, seq.num_cached):
+                backlog.forget(seq.request_id)  # recomputed from an earlier position (preemption)
+            backlog.add(seq.request_id, seq.num_cached, committed, piece)
+            if backlog.length(seq.request_id) > backlog.limit:
+                start, tokens, piece = backlog.take(seq.request_id)
+                drained.append(_ExtendEntry(seq, start, tokens, piece, keeps_root=seq.sample))
+        return drained
+
+    def _draft_extend(self, entries: list["_ExtendEntry"], step_features: torch.Tensor | None = None) -> None:
+        """One draft pass over every entry's tokens; entries that keep a root store the
+        draft's output at their last token. Entry features are row indices into
+        `step_features`, or tensors of their own (backlog)."""
+        token_ids, positions, spans, finals = [], [], [], []
+        for entry in entries:
+            token_ids.extend(entry.tokens)
+            positions.extend(range(entry.start, entry.start + len(entry.tokens)))
+            spans.append(SequenceSpan(entry.seq.page_table, entry.start, len(entry.tokens)))
+            if entry.keeps_root:
+                finals.append((entry.seq.request_id, len(token_ids) - 1, entry.start + len(entry.tokens)))
         ctx = ForwardContext(self.attention, self.attention.plan(spans), self.draft_kv)
-        logits, out = self.draft(self._tensor(token_ids), features[self._tensor(rows)], self._tensor(positions), ctx)
-        last = self._tensor([row for seq, row, _ in finals if seq.sample])
-        if len(last):
+        if all(isinstance(entry.features, list) for entry in entries):  # one gather for the whole step
+            features = step_features[self._tensor([row for entry in entries for row in entry.features])]
+        else:
+            features = torch.cat([step_features[self._tensor(entry.features)] if isinstance(entry.features, list)
+                                  else entry.features for entry in entries])
+        logits, out = self.draft(self._tensor(token_ids), features, self._tensor(positions), ctx)
+        if finals:
+            last = self._tensor([row for _, row, _ in finals])
             logprobs = torch.log_softmax(logits[last], dim=-1)
-            for (seq, row, position), lp, h in zip([f for f in finals if f[0].sample], logprobs, out[last]):
-                self.roots[seq.request_id] = RootState(position, h, lp)
+            for (request_id, _, position), lp, h in zip(finals, logprobs, out[last]):
+                self.roots[request_id] = RootState(position, h, lp)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+@dataclass
+class _ExtendEntry:
+    """Tokens one sequence feeds the draft: draft positions start .. start + len(tokens) - 1."""
+
+    seq: SequenceWork
+    start: int
+    tokens: list[int]
+    features: list[int] | torch.Tensor  # rows of this step's target features, or held features
+    keeps_root: bool  # store the draft's output at the last token as the next root state
+
+
+def _trials(trees: DraftTree, row: int, children: list[list[int]], path: list[int]) -> list[tuple[int, int, bool]]:
+    """(depth, rank, hit) for every child of every node the acceptance walk visited."""
+    depths, ranks = trees.depths[row].tolist(), trees.ranks[row].tolist()
+    trials = []
+    for visited, following in zip([0] + path, path + [None]):
+        for child in children[visited]:
+            trials.append((int(depths[child]), ranks[child], child == following))
+    return trials
 
 
 def _scratch_mask(root: int, ancestry: torch.Tensor, k: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ class DraftTree:
     tokens: torch.Tensor  # [B, N] target-vocabulary ids; column 0 is the root token
     parents: torch.Tensor  # [B, N] index of each node's parent; -1 for the root
     depths: torch.Tensor  # [B, N] 0 for the root
+    ranks: torch.Tensor  # [B, N] place among its parent's topk draft children (0 = best); -1 for the root
 
     @property
     def num_nodes(self) -> int:
@@ -71,6 +72,7 @@ class TreeBuilder:
         self._scores: list[torch.Tensor] = []  # per expansion [B, m] cumulative log-probs
         self._tokens: list[torch.Tensor] = []  # per expansion [B, m] draft ids
         self._parents: list[torch.Tensor] = []  # per expansion [B, m] pool index of the parent (-1 root)
+        self._ranks: list[torch.Tensor] = []  # per expansion [B, m] rank among the parent's children
         self._size = 0
         self.frontier_pool_index: torch.Tensor | None = None  # [B, topk]
         self.frontier_scores: torch.Tensor | None = None  # [B, topk]
@@ -79,7 +81,8 @@ class TreeBuilder:
         """logprobs [B, Vd] at the root. Returns the frontier's draft ids [B, topk]."""
         scores, tokens = logprobs.topk(self.topk, dim=-1)
         parents = torch.full_like(tokens, -1)
-        return self._add(scores, tokens, parents, keep=torch.arange(self.topk).expand_as(tokens))
+        ranks = torch.arange(self.topk).expand_as(tokens)
+        return self._add(scores, tokens, parents, ranks, keep=torch.arange(self.topk).expand_as(tokens))
 
     def expand(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logprobs [B, topk, Vd] at the frontier nodes. Returns the new frontier's draft ids
@@ -89,7 +92,8 @@ class TreeBuilder:
         scores = (self.frontier_scores.unsqueeze(-1) + child_scores).reshape(batch, -1)
         parents = self.frontier_pool_index.unsqueeze(-1).expand(-1, -1, self.topk).reshape(batch, -1)
         order = _stable_best(scores, self.topk)  # [B, topk] positions within this expansion
-        tokens = self._add(scores, child_tokens.reshape(batch, -1), parents, keep=order)
+        ranks = torch.arange(self.topk).repeat(self.topk).expand(batch, -1)
+        tokens = self._add(scores, child_tokens.reshape(batch, -1), parents, ranks, keep=order)
         return tokens, order // self.topk
 
     def finish(self, draft_to_target: torch.Tensor) -> DraftTree:
@@ -111,12 +115,14 @@ class TreeBuilder:
             tokens=column(tokens, self.root_tokens.to(tokens.dtype)),
             parents=torch.cat([torch.full((batch, 1), -1, dtype=torch.long), tree_parents], dim=1),
             depths=column(depths, torch.zeros(batch, dtype=torch.long)),
+            ranks=column(torch.cat(self._ranks, dim=1), torch.full((batch,), -1, dtype=torch.long)),
         )
 
-    def _add(self, scores, tokens, parents, keep) -> torch.Tensor:
+    def _add(self, scores, tokens, parents, ranks, keep) -> torch.Tensor:
         self._scores.append(scores)
         self._tokens.append(tokens)
         self._parents.append(parents)
+        self._ranks.append(ranks)
         self.frontier_pool_index = self._size + keep
         self.frontier_scores = scores.gather(1, keep)
         self._size += scores.shape[1]

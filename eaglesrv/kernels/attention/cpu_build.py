@@ -47,7 +47,8 @@ def load_cpu_attention() -> ModuleType:
 
     name = f"eaglesrv_paged_attention_cpu_{_cpu_signature()}"
     started = time.monotonic()
-    logger.info("loading the CPU paged-attention kernel (the first load on a machine compiles it, about 30 s)")
+    if not _is_built(cpp_extension, name):
+        logger.info("compiling the CPU paged-attention kernel (once per machine, about 30 s)")
     try:
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
                                       extra_ldflags=LDFLAGS, verbose=False)
@@ -55,6 +56,13 @@ def load_cpu_attention() -> ModuleType:
         raise RuntimeError(f"could not build the CPU attention kernel: {error}") from error
     logger.info("CPU paged-attention kernel ready in %.1f s", time.monotonic() - started)
     return module
+
+
+def _is_built(cpp_extension, name: str) -> bool:
+    try:
+        return (Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a private helper of torch's: if it moves, only the log line suffers
+        return False
 
 
 def cpu_attention_available() -> bool:

@@ -1,0 +1,142 @@
+"""Online acceptance statistics, and the accept length they predict for any tree shape.
+
+Model: at depth d, the target's next token is the draft's rank-r child of the node just
+accepted with probability q[d][r] (ranks are mutually exclusive). A node is then accepted
+with the product of q along its path, and the expected accept length of a tree is
+1 + the sum of that over its nodes (the accepted path visits each node at most once).
+
+q is estimated from verifications: each child present in a verified tree under a visited
+node is one trial of (its depth, its rank), a hit if the walk went through it. Counts decay
+by DECAY per verification (about the last 1/(1-DECAY) verifications count), so the table
+follows the traffic; spells without speculation leave it as it was. A prior of a few
+pseudo-trials stands in for ranks and depths not seen yet.
+
+Per request, a multiplier m = (accepted draft tokens + prior) / (predicted + prior), also
+decayed, scales the table's prediction: L_request = 1 + m (L - 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from eaglesrv.engine.eagle3.shape import TreeShape
+
+DECAY = 0.998  # per verification: a window of about 500
+PRIOR_TRIALS = 4.0
+PRIOR_TOP = 0.6  # prior q of the draft's first choice
+PRIOR_REST = 0.15  # prior q of its second choice, halving per rank after that
+REQUEST_DECAY = 0.9  # per verification of that request
+REQUEST_PRIOR_TOKENS = 2.0  # pseudo-tokens behind a request's multiplier of 1
+IDLE_DECAY = 0.95  # per step a request sits out: its record fades back towards the prior
+MIN_Q = 1e-6
+
+
+def prior_rates(depths: int, ranks: int) -> np.ndarray:
+    rates = np.array([PRIOR_TOP] + [PRIOR_REST * 0.5 ** (r - 1) for r in range(1, ranks)])
+    return np.tile(rates, (depths, 1))
+
+
+@dataclass
+class RequestAcceptance:
+    """One request's record: decayed accepted vs. predicted draft tokens."""
+
+    accepted: float = 0.0
+    predicted: float = 0.0
+
+    @property
+    def multiplier(self) -> float:
+        return (self.accepted + REQUEST_PRIOR_TOKENS) / (self.predicted + REQUEST_PRIOR_TOKENS)
+
+    def record(self, accepted: int, predicted: float) -> None:
+        self.accepted = self.accepted * REQUEST_DECAY + accepted
+        self.predicted = self.predicted * REQUEST_DECAY + predicted
+
+    def relax(self) -> None:
+        self.accepted *= IDLE_DECAY
+        self.predicted *= IDLE_DECAY
+
+
+@dataclass
+class AcceptanceTable:
+    depths: int  # largest tree depth (num_steps)
+    ranks: int  # largest topk
+    trials: np.ndarray = field(init=False)  # [depths, ranks], decayed
+    hits: np.ndarray = field(init=False)
+    version: int = 0  # bumped on every update, so predictions can be cached
+    requests: dict[str, RequestAcceptance] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.trials = np.full((self.depths, self.ranks), PRIOR_TRIALS)
+        self.hits = PRIOR_TRIALS * prior_rates(self.depths, self.ranks)
+        self._cache: dict[TreeShape, float] = {}
+        self._cache_version = -1
+
+    def rates(self) -> np.ndarray:
+        """q[d][r]: depth d + 1, rank r (0 = the draft's first choice)."""
+        return self.hits / self.trials
+
+    def record(self, request_id: str, shape: TreeShape, trials: list[tuple[int, int, bool]]) -> None:
+        """One verification: (depth 1-based, rank 0-based, hit) per child examined."""
+        predicted = self.expected_accept_length(shape) - 1
+        self.trials *= DECAY
+        self.hits *= DECAY
+        accepted = 0
+        for depth, rank, hit in trials:
+            self.trials[depth - 1, rank] += 1
+            if hit:
+                self.hits[depth - 1, rank] += 1
+                accepted += 1
+        self.requests.setdefault(request_id, RequestAcceptance()).record(accepted, predicted)
+        self.version += 1
+
+    def relax(self, request_ids) -> None:
+        """Requests that sat this step out: a poor record is retried after a while."""
+        for request_id in request_ids:
+            record = self.requests.get(request_id)
+            if record is not None:
+                record.relax()
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def multiplier(self, request_id: str) -> float:
+        record = self.requests.get(request_id)
+        return record.multiplier if record is not None else 1.0
+
+    def expected_accept_length(self, shape: TreeShape) -> float:
+        if self._cache_version != self.version:
+            self._cache, self._cache_version = {}, self.version
+        if shape not in self._cache:
+            self._cache[shape] = expected_accept_length(self.rates(), shape)
+        return self._cache[shape]
+
+    def snapshot(self) -> list[list[float]]:
+        return [[round(float(q), 4) for q in row] for row in self.rates()]
+
+
+def expected_accept_length(rates: np.ndarray, shape: TreeShape) -> float:
+    """1 + the summed path probabilities of the nodes a tree of `shape` would verify, built
+    the way TreeBuilder builds it (a beam of topk per depth, then the best nodes of the
+    pool) with log q standing in for the draft's log-probabilities."""
+    log_q = np.log(np.clip(rates, MIN_Q, 1.0))
+    k = shape.topk
+    frontier = log_q[0, :k]
+    pool = [frontier]
+    for depth in range(1, shape.steps):
+        children = (frontier[:, None] + log_q[depth, :k][None, :]).reshape(-1)
+        pool.append(children)
+        frontier = np.sort(children)[::-1][:k]
+    scores = np.sort(np.concatenate(pool))[::-1][: shape.nodes - 1]
+    return 1.0 + float(np.exp(scores).sum())
+
+
+def chain_accept_length(rates_top: list[float]) -> float:
+    """Closed form for a chain, for tests: 1 + q1 + q1 q2 + ..."""
+    total, running = 1.0, 1.0
+    for q in rates_top:
+        running *= q
+        total += running
+    return total if math.isfinite(total) else 1.0

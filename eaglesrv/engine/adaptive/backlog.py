@@ -1,0 +1,68 @@
+"""Target features the draft has not consumed yet, per request.
+
+With speculation off for a request, its steps skip the draft entirely: the target's
+features and the tokens they precede are held here instead. Before the request next
+speculates, one draft extend over the backlog brings its draft KV and root state up to
+date, exactly as if the draft had run every step. A backlog longer than `limit` tokens is
+drained at once, which bounds the memory held per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_LIMIT = 2048  # tokens per request
+
+
+@dataclass
+class Backlog:
+    start: int  # draft position of the first held entry
+    tokens: list[int] = field(default_factory=list)  # token start + 1 + i, for draft position start + i
+    features: list[torch.Tensor] = field(default_factory=list)  # [n, 3H] pieces, in order
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class FeatureBacklog:
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+        self.limit = limit
+        self._held: dict[str, Backlog] = {}
+
+    def add(self, request_id: str, position: int, tokens: list[int], features: torch.Tensor) -> None:
+        """Hold draft positions position .. position + len(tokens) - 1."""
+        held = self._held.get(request_id)
+        if held is None:
+            held = self._held[request_id] = Backlog(position)
+        elif held.end != position:
+            raise AssertionError(f"backlog of {request_id} ends at {held.end}, not {position}")
+        held.tokens.extend(tokens)
+        held.features.append(features)
+
+    def end(self, request_id: str) -> int | None:
+        held = self._held.get(request_id)
+        return held.end if held is not None else None
+
+    def start(self, request_id: str) -> int | None:
+        held = self._held.get(request_id)
+        return held.start if held is not None else None
+
+    def length(self, request_id: str) -> int:
+        held = self._held.get(request_id)
+        return len(held.tokens) if held is not None else 0
+
+    def take(self, request_id: str) -> tuple[int, list[int], torch.Tensor] | None:
+        """(start, tokens, features [n, 3H]) and forget them; None when nothing is held."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return None
+        return held.start, held.tokens, torch.cat(held.features)
+
+    def forget(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._held)

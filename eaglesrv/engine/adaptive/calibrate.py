@@ -1,0 +1,158 @@
+"""Measure the cost model on the machine at hand, once, and cache it.
+
+Target passes are timed at row counts 1, 2, 4, ... up to the most one step can carry,
+with the rows spread over requests of `nodes` rows each (tree-mask spans, as verification
+runs them) behind CONTEXT_TOKENS cached tokens each; draft passes likewise with topk rows
+per request. Each point is the faster of two runs after one warm-up. The result is cached
+under $EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes,
+dtype, device, threads, attention backend, page size, torch version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from eaglesrv.engine.adaptive.cost_model import CostCurve, CostModel
+from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.kernels.attention.base import SequenceSpan
+from eaglesrv.scheduler.page_allocator import PageAllocator
+from eaglesrv.utils.package_fetch import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+CONTEXT_TOKENS = 128
+MAX_TARGET_ROWS = 2048
+MAX_DRAFT_ROWS = 1024
+FORMAT = 1  # bump when what is measured changes
+
+
+def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
+    """The cached cost model for this engine, measuring it first if there is none."""
+    path = (cache_dir or default_cache_dir() / "cost_models") / f"{_cache_key(runner)}.json"
+    if path.exists():
+        model = CostModel.from_json(json.loads(path.read_text()))
+        logger.info("Speculation cost model: loaded %s", path)
+        return model
+    started = time.monotonic()
+    model = measure(runner, pages, max_requests)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(model.to_json(), indent=1))
+    temporary.rename(path)
+    logger.info("Speculation cost model: measured in %.1f s, cached at %s; target pass %.1f ms at 1 row, "
+                "%.1f ms at %d rows", time.monotonic() - started, path, 1e3 * model.target.seconds[0],
+                1e3 * model.target.seconds[-1], model.target.rows[-1])
+    return model
+
+
+@torch.inference_mode()
+def measure(runner, pages: PageAllocator, max_requests: int) -> CostModel:
+    largest = runner.largest
+    page_size = runner.target_kv.page_size
+    per_request_pages = math.ceil((CONTEXT_TOKENS + runner.lookahead + 1) / page_size)
+    requests = min(max_requests, pages.num_free // per_request_pages)
+    if requests < 1:
+        raise ValueError("the KV pool is too small to measure the speculation cost model")
+    tables = [pages.allocate(per_request_pages) for _ in range(requests)]
+    try:
+        target_rows = _ladder(min(MAX_TARGET_ROWS, requests * largest.nodes))
+        draft_rows = _ladder(min(MAX_DRAFT_ROWS, requests * largest.topk))
+        target = [_best_time(lambda m=m: _target_pass(runner, tables, m, largest.nodes)) for m in target_rows]
+        draft = [_best_time(lambda r=r: _draft_pass(runner, tables, r, largest.topk)) for r in draft_rows]
+    finally:
+        for table in tables:
+            pages.free(table)
+    return CostModel(CostCurve(target_rows, target), CostCurve(draft_rows, draft), CONTEXT_TOKENS)
+
+
+def _target_pass(runner, tables, rows: int, per_request: int) -> None:
+    ids, positions, spans = _spans(tables, rows, per_request, runner.device)
+    ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.target_kv)
+    hidden, _ = runner.target(ids, positions, ctx, runner.capture_layers)
+    runner.target.compute_logits(hidden).argmax(-1).tolist()  # verification reads every row's logits
+
+
+def _draft_pass(runner, tables, rows: int, per_request: int) -> None:
+    ids, positions, spans = _spans(tables, rows, per_request, runner.device)
+    ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.draft_kv)
+    features = torch.zeros(rows, runner.draft.config.arch.hidden_size, dtype=runner.target_kv.k.dtype,
+                           device=runner.device)
+    logits, _ = runner.draft(ids, features, positions, ctx)
+    torch.log_softmax(logits, dim=-1).cpu()
+
+
+def _spans(tables, rows: int, per_request: int, device):
+    spans, positions = [], []
+    left = rows
+    for table in tables:
+        if left == 0:
+            break
+        n = min(per_request, left)
+        mask = torch.ones(n, CONTEXT_TOKENS + n, dtype=torch.bool).tril(CONTEXT_TOKENS) if n > 1 else None
+        spans.append(SequenceSpan(table, CONTEXT_TOKENS, n, mask))
+        positions.extend(range(CONTEXT_TOKENS, CONTEXT_TOKENS + n))
+        left -= n
+    if left:
+        raise AssertionError("not enough measuring requests for the rows asked")
+    ids = torch.zeros(rows, dtype=torch.long, device=device)
+    return ids, torch.tensor(positions, device=device), spans
+
+
+def _best_time(run, repeats: int = 2) -> float:
+    run()  # warm-up: first calls at a size pay for allocation and kernel set-up
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def _ladder(limit: int) -> list[int]:
+    values, value = [], 1
+    while value < limit:
+        values.append(value)
+        value *= 2
+    return values + [limit]
+
+
+def _cache_key(runner) -> str:
+    device = runner.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    described = {
+        "format": FORMAT,
+        "target": asdict(runner.target.arch),
+        "draft": asdict(runner.draft.config.arch),
+        "draft_vocab": runner.draft.config.draft_vocab_size,
+        "dtype": str(runner.target_kv.k.dtype),
+        "device": device_name,
+        "threads": torch.get_num_threads(),
+        "attention": runner.attention.name,
+        "page_size": runner.target_kv.page_size,
+        "largest": [runner.largest.steps, runner.largest.topk, runner.largest.nodes],
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,108 @@
+"""The per-step choice: how much to speculate, and for which requests.
+
+For the decoding requests of a step, pick a shape s (plain decoding, or a chain or tree no
+larger than the configured one) and the set S of requests that speculate with it, to
+maximize the expected output tokens per second of the step:
+
+    tokens(s, S) = decoding + (L(s) - 1) * sum of m_i over S
+    value(s, S)  = tokens(s, S) / seconds(s, |S|)
+
+L(s) is the accept length the acceptance table predicts and m_i request i's multiplier
+(acceptance.py). The step's cost depends on S only through |S|, and the gain is additive,
+so for each size j the best S is the j requests with the largest m_i: the search runs over
+shapes and j only, all at once with numpy (tests check it against every subset).
+
+Hysteresis: the shape changes only when the best value beats the current shape's own best
+value by more than `hysteresis` (a fraction), so that noise in the estimates does not make
+it flap; the set S is re-chosen every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from eaglesrv.engine.adaptive.acceptance import AcceptanceTable
+from eaglesrv.engine.adaptive.cost_model import CostModel
+from eaglesrv.engine.eagle3.shape import TreeShape, candidate_shapes
+
+HYSTERESIS = 0.05
+ACCEPT_REFRESH = 16  # verifications between recomputing every shape's predicted accept length
+
+
+@dataclass(frozen=True)
+class Decision:
+    shape: TreeShape | None  # None: plain decoding for everyone
+    speculating: tuple[int, ...]  # indices into the eligible list, best multipliers first
+    tokens_per_s: float
+    predicted_s: float
+
+    @property
+    def kind(self) -> str:
+        return "plain" if self.shape is None else "speculative"
+
+    def describe(self) -> str:
+        return "plain" if self.shape is None else f"{self.shape} for {len(self.speculating)}"
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What a step has to run, as the policy sees it."""
+
+    decoding: int  # requests decoding one token (eligible or not)
+    multipliers: Sequence[float]  # per eligible decoding request (may speculate)
+    other_rows: int = 0  # prefill-chunk tokens computed in the same pass
+
+
+class SpeculationPolicy:
+    def __init__(self, largest: TreeShape, costs: CostModel, acceptance: AcceptanceTable,
+                 hysteresis: float = HYSTERESIS, shapes: Sequence[TreeShape] | None = None) -> None:
+        self.shapes = list(shapes) if shapes is not None else candidate_shapes(largest)
+        self.costs = costs
+        self.acceptance = acceptance
+        self.hysteresis = hysteresis
+        self.current: TreeShape | None = largest  # start as configured; the first steps measure acceptance
+        self._nodes = np.array([[s.nodes] for s in self.shapes])  # [S, 1], to broadcast against set sizes
+        self._topk = np.array([[s.topk] for s in self.shapes])
+        self._steps = np.array([[s.steps] for s in self.shapes])
+        self._accept: np.ndarray | None = None
+        self._accept_version = -ACCEPT_REFRESH
+
+    def decide(self, load: StepLoad) -> Decision:
+        plain_s = float(self.costs.plain_step(load.decoding, load.other_rows))
+        plain = Decision(None, (), load.decoding / plain_s, plain_s)
+        if not load.multipliers:
+            return plain  # nobody can speculate: the shape says nothing, keep it
+        multipliers = np.asarray(load.multipliers, dtype=float)
+        order = np.argsort(-multipliers, kind="stable")
+        gains = np.cumsum(multipliers[order])  # [J] summed multipliers of the best j + 1
+        sizes = np.arange(1, len(order) + 1)
+        accept = self.accept_lengths()  # [S, 1]
+        seconds = self.costs.speculative_step(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
+                                              accept, load.other_rows)  # [S, J]
+        rates = (load.decoding + (accept - 1) * gains) / seconds
+        best_j = rates.argmax(axis=1)
+        best_rates = rates[np.arange(len(self.shapes)), best_j]
+
+        def option(index: int) -> Decision:
+            j = int(best_j[index])
+            return Decision(self.shapes[index], tuple(int(i) for i in order[: j + 1]), float(best_rates[index]),
+                            float(seconds[index, j]))
+
+        top = int(best_rates.argmax())
+        best = option(top) if best_rates[top] > plain.tokens_per_s else plain
+        held = plain if self.current is None else (
+            option(self.shapes.index(self.current)) if self.current in self.shapes else None)
+        if held is not None and best.tokens_per_s <= held.tokens_per_s * (1 + self.hysteresis):
+            best = held
+        self.current = best.shape
+        return best
+
+    def accept_lengths(self) -> np.ndarray:
+        """[S, 1] predicted accept length per candidate shape (refreshed every few verifications)."""
+        if self._accept is None or self.acceptance.version - self._accept_version >= ACCEPT_REFRESH:
+            self._accept = np.array([[self.acceptance.expected_accept_length(s)] for s in self.shapes])
+            self._accept_version = self.acceptance.version
+        return self._accept

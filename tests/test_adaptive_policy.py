@@ -1,0 +1,156 @@
+"""Adaptive speculation, the pure parts: predicted accept lengths, the acceptance table,
+the cost model, and the policy against a brute-force search over shapes and request sets."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from eaglesrv.engine.adaptive.acceptance import AcceptanceTable, chain_accept_length, expected_accept_length
+from eaglesrv.engine.adaptive.cost_model import CostCurve, CostModel
+from eaglesrv.engine.adaptive.policy import SpeculationPolicy, StepLoad
+from eaglesrv.engine.eagle3.shape import TreeShape, candidate_shapes
+
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def synthetic_costs(rng: np.random.Generator) -> CostModel:
+    """A memory-bound floor, then time growing with rows; random knee, slope and draft cost."""
+    floor, knee = rng.uniform(0.01, 0.05), rng.choice([4, 8, 16, 32])
+    target = [floor * max(1.0, r / knee) * rng.uniform(1.0, 1.05) for r in ROWS]
+    target = list(np.maximum.accumulate(target))
+    draft_floor = floor * rng.uniform(0.02, 0.2)
+    draft = list(np.maximum.accumulate([draft_floor * max(1.0, r / 64) for r in ROWS]))
+    return CostModel(CostCurve(ROWS, target), CostCurve(ROWS, draft))
+
+
+def synthetic_table(rng: np.random.Generator, depths: int, ranks: int) -> AcceptanceTable:
+    table = AcceptanceTable(depths, ranks)
+    rates = rng.dirichlet(np.ones(ranks + 1), size=depths)[:, :ranks]  # rank shares, plus "no child matches"
+    rates[:, 0] += rng.uniform(0, 1) * (1 - rates.sum(axis=1))  # make the first choice likelier
+    table.hits, table.trials = rates * 100.0, np.full((depths, ranks), 100.0)
+    table.version += 1
+    return table
+
+
+def brute_force(shapes, costs: CostModel, table: AcceptanceTable, load: StepLoad) -> float:
+    """The best tokens/s over plain decoding and every (shape, subset of eligible requests)."""
+    best = load.decoding / float(costs.plain_step(load.decoding, load.other_rows))
+    eligible = range(len(load.multipliers))
+    for shape in shapes:
+        accept = table.expected_accept_length(shape)
+        for size in range(1, len(load.multipliers) + 1):
+            for subset in itertools.combinations(eligible, size):
+                tokens = load.decoding + sum(1 + load.multipliers[i] * (accept - 1) - 1 for i in subset)
+                seconds = float(costs.speculative_step(shape.nodes, shape.topk, shape.steps, size,
+                                                       load.decoding - size, accept, load.other_rows))
+                best = max(best, tokens / seconds)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_policy_choice_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    largest = TreeShape.of(*[(5, 8, 32), (4, 4, 16), (3, 1, 4), (6, 3, 20)][seed % 4])
+    costs, table = synthetic_costs(rng), synthetic_table(rng, largest.steps, largest.topk)
+    eligible = int(rng.integers(0, 6))
+    load = StepLoad(decoding=eligible + int(rng.integers(0, 3)),
+                    multipliers=list(rng.uniform(0.2, 1.6, size=eligible)), other_rows=int(rng.integers(0, 40)))
+    if load.decoding == 0:
+        load = StepLoad(1, [1.0])
+    policy = SpeculationPolicy(largest, costs, table, hysteresis=0.0)
+    policy.current = None
+    decision = policy.decide(load)
+    assert decision.tokens_per_s == pytest.approx(brute_force(policy.shapes, costs, table, load), rel=1e-9)
+    # The decision's set is the best-multiplier requests, and its rate is what it claims.
+    if decision.shape is not None:
+        chosen = sorted(decision.speculating, key=lambda i: -load.multipliers[i])
+        assert chosen == list(decision.speculating)
+        assert min(load.multipliers[i] for i in chosen) >= max(
+            [load.multipliers[i] for i in range(len(load.multipliers)) if i not in chosen], default=0.0)
+
+
+def test_policy_goes_plain_under_load_and_speculates_alone():
+    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.002] * len(ROWS)))
+    table = AcceptanceTable(5, 8)
+    table.hits, table.trials = np.tile([0.8, 0.1, 0.05, 0, 0, 0, 0, 0], (5, 1)) * 100, np.full((5, 8), 100.0)
+    table.version += 1
+    policy = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table)
+    assert policy.decide(StepLoad(1, [1.0])).shape is not None
+    alone = policy.decide(StepLoad(1, [1.0]))
+    assert alone.tokens_per_s > 1 / 0.04 * 2  # better than twice plain decoding
+    policy.current = None
+    assert policy.decide(StepLoad(64, [1.0] * 64)).shape is None  # 64 x trees cost far more than they gain
+    # A request whose own acceptance is poor sits out while the others speculate.
+    mixed = policy.decide(StepLoad(3, [1.0, 0.01, 1.0]))
+    assert mixed.shape is not None and sorted(mixed.speculating) == [0, 2]
+
+
+def test_hysteresis_keeps_the_shape_until_the_margin_is_passed():
+    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.002] * len(ROWS)))
+    table = AcceptanceTable(5, 8)
+    policy = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.05)
+    free = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.0)
+    load = StepLoad(1, [1.0])
+    best = free.decide(load)
+    options = {shape: None for shape in policy.shapes}
+    for shape in options:  # a shape within 5% of the best is kept once current
+        policy.current = shape
+        kept = policy.decide(load)
+        rate = kept.tokens_per_s
+        if kept.shape == shape:
+            assert rate * 1.05 >= best.tokens_per_s
+        else:
+            assert kept.tokens_per_s == pytest.approx(best.tokens_per_s)
+
+
+def test_expected_accept_length_closed_forms():
+    rates = np.tile([0.7, 0.2, 0.05], (4, 1))
+    assert expected_accept_length(rates, TreeShape.of(4, 1, 5)) == pytest.approx(chain_accept_length([0.7] * 4))
+    assert expected_accept_length(np.ones((3, 2)) * [1.0, 0.0], TreeShape.of(3, 2, 8)) == pytest.approx(4.0, abs=1e-4)
+    assert expected_accept_length(np.zeros((3, 2)), TreeShape.of(3, 2, 8)) == pytest.approx(1.0, abs=1e-3)
+    # A full tree of depth 2, topk 2: 1 + (a + b) + (a + b)^2 when every node is verified.
+    two = np.array([[0.5, 0.3], [0.5, 0.3]])
+    assert expected_accept_length(two, TreeShape.of(2, 2, 7)) == pytest.approx(1 + 0.8 + 0.8**2)
+    # Wider and deeper trees never predict less.
+    small, big = TreeShape.of(3, 2, 6), TreeShape.of(3, 3, 12)
+    assert expected_accept_length(rates, big) >= expected_accept_length(rates, small)
+
+
+def test_acceptance_table_learns_rates_and_request_multipliers():
+    table = AcceptanceTable(3, 2)
+    shape = TreeShape.of(3, 2, 6)
+    rng = np.random.default_rng(0)
+    for _ in range(3000):  # depth-1 first choice right 90% of the time, second 5%
+        r = rng.uniform()
+        table.record("good", shape, [(1, 0, r < 0.9), (1, 1, 0.9 <= r < 0.95)])
+        table.record("poor", shape, [(1, 0, False), (1, 1, False)])
+    q = table.rates()
+    assert q[0, 0] == pytest.approx(0.45, abs=0.05)  # both requests count: (0.9 + 0) / 2
+    assert table.multiplier("good") > 0.7 > 0.2 > table.multiplier("poor")  # predicted ~1 token: depths 2-3 at prior
+    table.relax(["poor"] * 200)
+    assert table.multiplier("poor") > 0.9  # sitting out long enough earns a retry
+    table.forget("good")
+    assert table.multiplier("good") == 1.0
+
+
+def test_cost_model_interpolates_extrapolates_and_corrects():
+    curve = CostCurve([1, 4, 16], [0.01, 0.01, 0.04])
+    assert curve(2) == pytest.approx(0.01) and curve(10) == pytest.approx(0.025) and curve(32) == pytest.approx(0.08)
+    model = CostModel(curve, CostCurve([1, 16], [0.001, 0.002]))
+    before = float(model.plain_step(4))
+    for _ in range(200):
+        model.observe("plain", float(model.plain_step(4)), 2 * before)
+    assert float(model.plain_step(4)) == pytest.approx(2 * before, rel=0.02)
+    assert model.corrections["speculative"] == 1.0
+
+
+def test_candidate_shapes_stay_inside_the_configured_tree():
+    largest = TreeShape.of(5, 8, 32)
+    shapes = candidate_shapes(largest)
+    assert largest in shapes and TreeShape.of(3, 1, 4) in shapes and TreeShape.of(1, 1, 2) in shapes
+    assert all(s.fits_in(largest) for s in shapes)
+    assert candidate_shapes(TreeShape.of(3, 1, 4)) == [TreeShape.of(1, 1, 2), TreeShape.of(2, 1, 3),
+                                                       TreeShape.of(3, 1, 4)]
