@@ -11,6 +11,12 @@ prompt with EAGLE-3 on, and reports SGLang's figures:
 
     accept length        tokens one verification adds, bonus token included
     acceptance by depth  P(the draft token at depth d is kept | depth d - 1 was kept)
+
+--speed-prompts N adds batch-1 decode speed, side by side in the same run: each of the
+first N prompts is generated greedily by a plain engine and then by each tree's engine,
+one request at a time, alternating, and decode tok/s (tokens after the first over the
+time after the first) is compared. The greedy outputs are the same, so both decode the
+same tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--speed-prompts", type=int, default=0,
+                   help="also time batch-1 greedy decode, plain against each tree, on this many prompts")
     p.add_argument("--output-json", default=None, help="write every figure to this file")
     return p.parse_args(argv)
 
@@ -71,15 +79,17 @@ def heldout_prompts(tokenizer: Any, count: int, max_input_len: int, data_path: s
     raise ValueError(f"only {len(prompts)} held-out prompts fit in {max_input_len} tokens; asked for {count}")
 
 
-def build_engine(args: argparse.Namespace, tree: Tree) -> Engine:
-    steps, topk, draft_tokens = tree
+def build_engine(args: argparse.Namespace, tree: Tree | None) -> Engine:
+    """An engine with EAGLE-3 at `tree`, or plain decoding for None."""
+    steps, topk, draft_tokens = tree or (1, 1, 2)
+    speculative = SpeculativeConfig(algorithm="EAGLE3", draft_model_path=args.draft_model_path,
+                                    num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens)
     return Engine(EngineConfig(
         model=ModelConfig(model_path=args.model_path, dtype=args.dtype),
         # room for every running request's longest prompt, reply and draft tree
         cache=CacheConfig(max_total_tokens=args.batch_size * (args.max_input_len + args.max_tokens + draft_tokens)),
         scheduler=SchedulerConfig(max_running_requests=args.batch_size),
-        speculative=SpeculativeConfig(algorithm="EAGLE3", draft_model_path=args.draft_model_path,
-                                      num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens),
+        speculative=speculative if tree else SpeculativeConfig(),
         runtime=RuntimeConfig(device=args.device, num_threads=args.num_threads),
     ))
 
@@ -122,6 +132,37 @@ def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_to
     }
 
 
+def decode_time(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[int, float]:
+    """One greedy request alone: (tokens after the first, seconds after the first arrived)."""
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    tokens, first_at = 0, None
+    while engine.has_unfinished:
+        for out in engine.step():
+            if first_at is None and out.new_token_ids:
+                first_at, tokens = time.perf_counter(), len(out.new_token_ids) - 1
+            else:
+                tokens += len(out.new_token_ids)
+    return tokens, time.perf_counter() - first_at
+
+
+def batch1_speed(args: argparse.Namespace, engines: dict[Tree, Engine], prompts: list[list[int]]) -> list[dict]:
+    """Plain and every tree on the same prompts, alternating per prompt (drift hits all alike)."""
+    plain = build_engine(args, None)
+    plain.warmup()
+    for engine in engines.values():
+        engine.warmup()
+    totals = {key: [0, 0.0] for key in [None, *engines]}
+    for prompt in tqdm(prompts, desc="batch-1 speed", unit="prompt"):
+        for key, engine in [(None, plain), *engines.items()]:
+            tokens, seconds = decode_time(engine, prompt, args.max_tokens)
+            totals[key][0] += tokens
+            totals[key][1] += seconds
+    plain_rate = totals[None][0] / totals[None][1]
+    return [{"tree": list(tree), "prompts": len(prompts), "decode_tokens": totals[tree][0],
+             "eagle3_tok_s": round(totals[tree][0] / totals[tree][1], 2), "plain_tok_s": round(plain_rate, 2),
+             "speedup": round(totals[tree][0] / totals[tree][1] / plain_rate, 3)} for tree in engines]
+
+
 def _kept_counts(stats: dict[str, Any]) -> list[int]:
     """Verifications that kept depth d, recovered from the snapshot's conditional rates."""
     counts, reached = [], stats["spec_verifications"]
@@ -137,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {"draft_model_path": args.draft_model_path, "model_path": args.model_path,
                               "max_tokens": args.max_tokens, "batch_size": args.batch_size, "results": []}
     prompts = None
+    engines: dict[Tree, Engine] = {}
     for tree in args.trees:
         engine = build_engine(args, tree)
         prompts = prompts or heldout_prompts(engine.tokenizer, args.num_prompts, args.max_input_len, args.data_path)
@@ -147,7 +189,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             depths = " ".join(f"{a:.2f}" for a in row["acceptance_by_depth"])
             print(f"tree {','.join(map(str, tree)):>9}  temperature {temperature:<4}  prompts {row['prompts']}  "
                   f"accept length {row['accept_length']:.3f}  acceptance by depth [{depths}]", flush=True)
+        if args.speed_prompts:
+            engines[tree] = engine  # kept for the speed runs (a few MB of weights and KV each)
         del engine
+    if args.speed_prompts:
+        report["batch1_speed"] = batch1_speed(args, engines, prompts[: args.speed_prompts])
+        for row in report["batch1_speed"]:
+            print(f"tree {','.join(map(str, row['tree'])):>9}  batch-1 greedy decode: EAGLE-3 {row['eagle3_tok_s']} "
+                  f"tok/s, plain {row['plain_tok_s']} tok/s, speedup {row['speedup']:.2f}x", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)

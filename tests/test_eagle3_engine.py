@@ -121,8 +121,12 @@ def test_malformed_heads_are_refused_with_the_reason(tiny_llama_dir, tmp_path):
         Engine(spec_config(tiny_llama_dir, head, 3, 1, 4))
 
 
-def test_default_model_without_a_head_refuses_to_start():
+def test_a_missing_head_is_refused_before_loading(tiny_llama_dir, monkeypatch):
+    import eaglesrv.engine.llm_engine as llm_engine
     from eaglesrv.engine.setup import EngineSetupError
 
-    with pytest.raises(EngineSetupError, match="trained head"):
+    with pytest.raises(EngineSetupError, match="needs --speculative-draft-model-path"):
+        Engine(spec_config(tiny_llama_dir, None, 3, 1, 4))
+    monkeypatch.setattr(llm_engine, "default_model_head", lambda: None)  # an install without the shipped head
+    with pytest.raises(EngineSetupError, match="head is missing from this install"):
         Engine(spec_config(None, None, 3, 1, 4))

@@ -24,13 +24,17 @@ def test_smoke_writes_every_tree_and_temperature(tmp_path, small_split):
     out = tmp_path / "acceptance.json"
     main(["--model-path", model, "--draft-model-path", head, "--data-path", data, "--num-prompts", "3",
           "--trees", "3,1,4", "2,2,4", "--temperatures", "0", "1", "--max-tokens", "8", "--device", "cpu",
-          "--output-json", str(out)])
+          "--speed-prompts", "2", "--output-json", str(out)])
     report = json.loads(out.read_text())
     assert [(r["tree"], r["temperature"]) for r in report["results"]] == [
         ([3, 1, 4], 0.0), ([3, 1, 4], 1.0), ([2, 2, 4], 0.0), ([2, 2, 4], 1.0)]
     for row in report["results"]:
         assert row["prompts"] == 3 and row["verifications"] > 0 and row["accept_length"] >= 1.0
         assert len(row["acceptance_by_depth"]) == row["tree"][0]
+    speed = report["batch1_speed"]
+    assert [row["tree"] for row in speed] == [[3, 1, 4], [2, 2, 4]]
+    for row in speed:  # greedy outputs are equal, so both sides decode the same tokens
+        assert row["prompts"] == 2 and row["decode_tokens"] > 0 and row["plain_tok_s"] > 0 and row["speedup"] > 0
 
 
 def test_prompts_come_from_the_held_out_conversations(tmp_path, small_split):

@@ -224,3 +224,17 @@ def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, t
     ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     reply = engine.generate([ids], SamplingParams(temperature=0, max_tokens=64 - len(ids)))[0]
     assert first[1] == {"role": "assistant", "content": reply.text}
+
+
+def test_init_from_continues_a_trained_head(chat_model, sharegpt, trained, tmp_path):
+    out, _, log = trained
+    further = tmp_path / "further"
+    main(train_argv(chat_model, sharegpt, further, "--init-from", str(out), "--max-steps", "2",
+                    "--work-dir", str(out / "work")))  # the trained run's feature cache
+    continued = [json.loads(line) for line in (further / "train_state" / "train_log.jsonl").read_text().splitlines()]
+    # Its first step starts where the trained head ended, far below a fresh head's first loss.
+    assert continued[0]["loss"] < (log[0]["loss"] + log[-1]["loss"]) / 2
+    with pytest.raises(ValueError, match="draft vocabulary differs"):
+        other = train_argv(chat_model, sharegpt, tmp_path / "other", "--init-from", str(out), "--max-steps", "1")
+        other[other.index("--draft-vocab-size") + 1] = "160"
+        main(other)

@@ -29,6 +29,7 @@ from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.eagle3.runner import Eagle3Runner
 from eaglesrv.engine.eagle3.stats import SpecStats
 from eaglesrv.engine.stats_logger import StepStatsLogger
+from eaglesrv.heads import DEFAULT_MODEL_HEAD, default_model_head
 from eaglesrv.engine.setup import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
 from eaglesrv.kernels.attention import create_attention_backend
 from eaglesrv.sampling_params import SamplingParams
@@ -57,8 +58,7 @@ class Engine:
         if config.runtime.num_threads:
             torch.set_num_threads(config.runtime.num_threads)
         self.device = resolve_device(config.runtime)
-        if config.speculative.enabled:
-            _check_draft_is_given(config)  # before minutes of loading, not after
+        self.draft_path = _draft_path(config) if config.speculative.enabled else None  # before loading, not after
         source = resolve_model(
             config.model.model_path, config.model.load_format, config.model.tokenizer_path,
             config.model.download_dir, config.model.revision,
@@ -237,8 +237,8 @@ class Engine:
                 self.runner.forget(finished)
 
     def _load_draft(self):
-        spec, model = self.config.speculative, self.config.model
-        path = spec.draft_model_path
+        model = self.config.model
+        path = self.draft_path
         return load_draft_head(
             path, self.arch, self.model.model.embed_tokens.weight.detach(), self.dtype, self.device,
             random_seed=model.random_seed if path is None else None,
@@ -271,15 +271,20 @@ def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter
     return model.eval()
 
 
-def _check_draft_is_given(config: EngineConfig) -> None:
-    """A head must be named, except for dummy speed runs (random head)."""
+def _draft_path(config: EngineConfig) -> str | None:
+    """The head to load: the one named, the shipped one for the default model, or None
+    (a random head) for dummy speed runs."""
     if config.speculative.draft_model_path is not None or config.model.load_format == "dummy":
-        return
+        return config.speculative.draft_model_path
     if config.model.model_path is None:
-        raise EngineSetupError(
-            "EAGLE-3 on the default model needs its trained head, which has not landed yet; "
-            "pass --speculative-draft-model-path or run without --speculative-algorithm"
-        )
+        head = default_model_head()
+        if head is None:
+            raise EngineSetupError(
+                f"the default model's EAGLE-3 head is missing from this install ({DEFAULT_MODEL_HEAD}); "
+                "reinstall eaglesrv or pass --speculative-draft-model-path"
+            )
+        logger.info("EAGLE-3 head: the shipped one for the default model, %s", head)
+        return str(head)
     raise EngineSetupError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
 
 

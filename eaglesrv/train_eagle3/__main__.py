@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     head.add_argument("--draft-vocab-size", type=int, default=DEFAULTS.draft_vocab_size,
                       help="target tokens the head can propose, the most frequent in replies")
     head.add_argument("--ttt-steps", type=int, default=DEFAULTS.ttt_steps, help="training-time-test unroll depth")
+    head.add_argument("--init-from", default=None,
+                      help="start from this head's weights instead of random ones (to train a head further); "
+                           "its draft vocabulary must be the one this data gives")
     head.add_argument("--lm-head-init", default=DEFAULTS.lm_head_init, choices=("target", "random"),
                       help="start lm_head from the target's rows for the draft vocabulary, or at random")
     head.add_argument("--save-dtype", default=DEFAULTS.save_dtype, choices=SAVE_DTYPES,

@@ -30,6 +30,7 @@ class TrainConfig:
     # draft head
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
+    init_from: str | None = None  # start from this head's weights (same target, same draft vocabulary)
     lm_head_init: str = "random"  # random: N(0, 0.02) (SpecForge; better in our pilot); target: its own rows
     save_dtype: str = "bfloat16"  # of the written head: half the file of float32, as published heads ship
     loss_decay: float = 0.8  # weight of unroll step j is loss_decay ** j (EAGLE-3's choice)
@@ -92,5 +93,5 @@ class TrainConfig:
 DATA_FIELDS = ("model_path", "data_path", "num_conversations", "max_seq_len", "max_turns", "self_distill",
                "distill_temperature", "distill_max_new_tokens", "seed")
 # Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
-RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
+RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
                             "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "amp")

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig
 from eaglesrv.data import TRAINING_CONVERSATIONS
 from eaglesrv.engine.eagle3.draft_model import Eagle3Config, Eagle3DraftModel
-from eaglesrv.engine.eagle3.head_io import head_config_for, save_head
+from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, save_head
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.train_eagle3.config import DATA_FIELDS, RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import (
@@ -95,6 +95,18 @@ def new_head(
     return draft
 
 
+def start_from(draft: Eagle3DraftModel, path: str, engine: Engine, vocab: DraftVocab) -> None:
+    """Copy a saved head's weights into `draft` (--init-from), refusing another vocabulary."""
+    saved = load_draft_head(path, engine.arch, engine.model.model.embed_tokens.weight.detach(), torch.float32,
+                            torch.device("cpu"))
+    if not torch.equal(saved.draft_to_target.cpu(), vocab.draft_to_target.cpu()):
+        raise ValueError(f"--init-from {path}: its draft vocabulary differs from the one this data gives; "
+                         "use the same data and --draft-vocab-size")
+    draft.load_state_dict(saved.state_dict())
+    draft.embed_tokens.weight.requires_grad_(False)
+    logger.info("starting from the weights of %s", path)
+
+
 def write_head(draft: Eagle3DraftModel, hf_config: dict[str, Any], directory: str, dtype: str) -> None:
     """save_head (published format, float32), then the weights cast to `dtype`: a bf16
     head is half the file and what SGLang-era heads ship as; loaders cast on load."""
@@ -144,7 +156,10 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     times["features_s"] = time.monotonic() - began
 
     device = engine.device
-    draft = new_head(hf_config, engine, vocab, config.seed, config.lm_head_init).to(device)
+    draft = new_head(hf_config, engine, vocab, config.seed, config.lm_head_init)
+    if config.init_from:
+        start_from(draft, config.init_from, engine, vocab)
+    draft = draft.to(device)
     target_rows = target_output_rows(engine, vocab)
     del engine  # training needs neither the target's weights nor its KV pool
     gc.collect()

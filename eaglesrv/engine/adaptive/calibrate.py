@@ -2,8 +2,8 @@
 
 Target passes are timed at row counts 1, 2, 4, ... up to the most one step can carry,
 with the rows spread over requests of `nodes` rows each (tree-mask spans, as verification
-runs them) behind CONTEXT_TOKENS cached tokens each; draft passes likewise with topk rows
-per request. Each point is the faster of two runs after one warm-up. The result is cached
+runs them) behind CONTEXT_TOKENS cached tokens each; the output layer (logits and argmax)
+at the same row counts; draft passes like target passes, with topk rows per request. Each point is the faster of two runs after one warm-up. The result is cached
 under $EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes,
 dtype, device, threads, attention backend, page size, torch version).
 """
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CONTEXT_TOKENS = 128
 MAX_TARGET_ROWS = 2048
 MAX_DRAFT_ROWS = 1024
-FORMAT = 1  # bump when what is measured changes
+FORMAT = 2  # bump when what is measured changes
 
 
 def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
@@ -67,18 +67,25 @@ def measure(runner, pages: PageAllocator, max_requests: int) -> CostModel:
         target_rows = _ladder(min(MAX_TARGET_ROWS, requests * largest.nodes))
         draft_rows = _ladder(min(MAX_DRAFT_ROWS, requests * largest.topk))
         target = [_best_time(lambda m=m: _target_pass(runner, tables, m, largest.nodes)) for m in target_rows]
+        logits = [_best_time(lambda m=m: _logits_pass(runner, m)) for m in target_rows]
         draft = [_best_time(lambda r=r: _draft_pass(runner, tables, r, largest.topk)) for r in draft_rows]
     finally:
         for table in tables:
             pages.free(table)
-    return CostModel(CostCurve(target_rows, target), CostCurve(draft_rows, draft), CONTEXT_TOKENS)
+    return CostModel(CostCurve(target_rows, target), CostCurve(target_rows, logits), CostCurve(draft_rows, draft),
+                     CONTEXT_TOKENS)
 
 
 def _target_pass(runner, tables, rows: int, per_request: int) -> None:
     ids, positions, spans = _spans(tables, rows, per_request, runner.device)
     ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.target_kv)
-    hidden, _ = runner.target(ids, positions, ctx, runner.capture_layers)
-    runner.target.compute_logits(hidden).argmax(-1).tolist()  # verification reads every row's logits
+    hidden, features = runner.target(ids, positions, ctx, runner.capture_layers)
+    features[:1].cpu()  # waits for the pass on an accelerator
+
+
+def _logits_pass(runner, rows: int) -> None:
+    hidden = torch.zeros(rows, runner.target.arch.hidden_size, dtype=runner.target_kv.k.dtype, device=runner.device)
+    runner.target.compute_logits(hidden).argmax(-1).tolist()  # verification reads every node's argmax
 
 
 def _draft_pass(runner, tables, rows: int, per_request: int) -> None:

@@ -32,7 +32,7 @@ class AdaptiveSpeculation:
     def restart(self) -> "AdaptiveSpeculation":
         """The same measured costs with nothing learnt: after warm-up, whose first-call
         steps and dummy prompts say nothing about real traffic."""
-        fresh = CostModel(self.costs.target, self.costs.draft, self.costs.context_tokens)
+        fresh = CostModel(self.costs.target, self.costs.logits, self.costs.draft, self.costs.context_tokens)
         return AdaptiveSpeculation(self.largest, fresh, self.policy.hysteresis)
 
     def decide(self, load: StepLoad, eligible_ids: list[str]) -> Decision:

@@ -1,6 +1,7 @@
 """What a step costs: seconds of a target pass and of a draft pass, by rows computed.
 
-Both are measured once on the machine at hand and interpolated linearly between the
+So is the target's output layer, priced apart because it runs only on the rows that are
+sampled or verified (not on prefill chunks). All are measured once on the machine at hand and interpolated linearly between the
 measured row counts (past the largest, time grows in proportion to rows: passes that big
 are compute-bound). Rows are packed tokens: a plain decode is one row per request, a
 verification `nodes` rows per request, a draft pass topk rows per speculating request.
@@ -40,13 +41,15 @@ class CostCurve:
 
 @dataclass
 class CostModel:
-    target: CostCurve  # one target pass (features captured), by rows
+    target: CostCurve  # one target pass (features captured), by rows, without the output layer
+    logits: CostCurve  # the target's output layer, by rows it is applied to (sampled or verified rows)
     draft: CostCurve  # one draft pass, by rows
     context_tokens: int = 0  # cached tokens per request while measuring
     corrections: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "speculative": 1.0})
 
     def plain_step(self, decode_rows, other_rows: int = 0) -> np.ndarray:
-        return self.target(np.asarray(decode_rows) + other_rows) * self.corrections["plain"]
+        decode_rows = np.asarray(decode_rows)
+        return (self.target(decode_rows + other_rows) + self.logits(decode_rows)) * self.corrections["plain"]
 
     def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length,
                          other_rows: int = 0) -> np.ndarray:
@@ -55,10 +58,11 @@ class CostModel:
         speculating request, one target pass, one draft extend over the committed tokens.
         Arguments broadcast (numpy), so one call prices many shapes and set sizes."""
         speculating = np.asarray(speculating, dtype=float)
-        target_rows = speculating * np.asarray(nodes) + np.asarray(plain_rows) + other_rows
+        decode_rows = speculating * np.asarray(nodes) + np.asarray(plain_rows)  # every row gets logits
         drafting = (np.asarray(steps) - 1) * self.draft(speculating * np.asarray(topk))
         extend = self.draft(speculating * np.asarray(accept_length))
-        return (self.target(target_rows) + drafting + extend) * self.corrections["speculative"]
+        passes = self.target(decode_rows + other_rows) + self.logits(decode_rows)
+        return (passes + drafting + extend) * self.corrections["speculative"]
 
     def observe(self, kind: str, predicted_s: float, actual_s: float) -> None:
         if predicted_s <= 0:
@@ -69,8 +73,10 @@ class CostModel:
         self.corrections[kind] = old * (CORRECTION_DECAY + (1 - CORRECTION_DECAY) * ratio)
 
     def to_json(self) -> dict:
-        return {"target": self.target.to_json(), "draft": self.draft.to_json(), "context_tokens": self.context_tokens}
+        return {"target": self.target.to_json(), "logits": self.logits.to_json(), "draft": self.draft.to_json(),
+                "context_tokens": self.context_tokens}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
-        return cls(CostCurve(**data["target"]), CostCurve(**data["draft"]), data.get("context_tokens", 0))
+        return cls(CostCurve(**data["target"]), CostCurve(**data["logits"]), CostCurve(**data["draft"]),
+                   data.get("context_tokens", 0))
