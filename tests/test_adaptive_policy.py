@@ -131,7 +131,7 @@ def test_acceptance_table_learns_rates_and_request_multipliers():
         table.record("poor", shape, [(1, 0, False), (1, 1, False)])
     q = table.rates()
     assert q[0, 0] == pytest.approx(0.45, abs=0.05)  # both requests count: (0.9 + 0) / 2
-    assert table.multiplier("good") > 0.7 > 0.2 > table.multiplier("poor")  # predicted ~1 token: depths 2-3 at prior
+    assert table.multiplier("good") > 0.9 > 0.25 > table.multiplier("poor")
     table.relax(["poor"] * 200)
     assert table.multiplier("poor") > 0.9  # sitting out long enough earns a retry
     table.forget("good")

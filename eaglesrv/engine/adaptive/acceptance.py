@@ -8,8 +8,11 @@ with the product of q along its path, and the expected accept length of a tree i
 q is estimated from verifications: each child present in a verified tree under a visited
 node is one trial of (its depth, its rank), a hit if the walk went through it. Counts decay
 by DECAY per verification (about the last 1/(1-DECAY) verifications count), so the table
-follows the traffic; spells without speculation leave it as it was. A prior of a few
-pseudo-trials stands in for ranks and depths not seen yet.
+follows the traffic; spells without speculation leave it as it was. Each entry carries a
+prior of PRIOR_TRIALS pseudo-trials borrowed from its neighbour: depth d from depth d - 1
+at the same rank, rank r of depth 1 from half of rank r - 1. So a head seen only as a
+chain predicts trees and deeper chains from what it showed, instead of from a fixed
+guess, and wider trees are not tried on optimism alone.
 
 Per request, a multiplier m = (accepted draft tokens + prior) / (predicted + prior), also
 decayed, scales the table's prediction: L_request = 1 + m (L - 1).
@@ -26,17 +29,12 @@ from eaglesrv.engine.eagle3.shape import TreeShape
 
 DECAY = 0.998  # per verification: a window of about 500
 PRIOR_TRIALS = 4.0
-PRIOR_TOP = 0.6  # prior q of the draft's first choice
-PRIOR_REST = 0.15  # prior q of its second choice, halving per rank after that
+PRIOR_TOP = 0.6  # prior q of the draft's first choice at depth 1, before any verification
+PRIOR_NEXT_RANK = 0.5  # prior of rank r at depth 1: this fraction of rank r - 1's rate
 REQUEST_DECAY = 0.9  # per verification of that request
 REQUEST_PRIOR_TOKENS = 2.0  # pseudo-tokens behind a request's multiplier of 1
 IDLE_DECAY = 0.95  # per step a request sits out: its record fades back towards the prior
 MIN_Q = 1e-6
-
-
-def prior_rates(depths: int, ranks: int) -> np.ndarray:
-    rates = np.array([PRIOR_TOP] + [PRIOR_REST * 0.5 ** (r - 1) for r in range(1, ranks)])
-    return np.tile(rates, (depths, 1))
 
 
 @dataclass
@@ -69,14 +67,22 @@ class AcceptanceTable:
     requests: dict[str, RequestAcceptance] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.trials = np.full((self.depths, self.ranks), PRIOR_TRIALS)
-        self.hits = PRIOR_TRIALS * prior_rates(self.depths, self.ranks)
+        self.trials = np.zeros((self.depths, self.ranks))  # observed, decayed
+        self.hits = np.zeros((self.depths, self.ranks))
         self._cache: dict[TreeShape, float] = {}
         self._cache_version = -1
 
     def rates(self) -> np.ndarray:
         """q[d][r]: depth d + 1, rank r (0 = the draft's first choice)."""
-        return self.hits / self.trials
+        rates = np.zeros((self.depths, self.ranks))
+        for d in range(self.depths):
+            for r in range(self.ranks):
+                if d > 0:
+                    prior = rates[d - 1, r]
+                else:
+                    prior = PRIOR_TOP if r == 0 else PRIOR_NEXT_RANK * rates[0, r - 1]
+                rates[d, r] = (self.hits[d, r] + PRIOR_TRIALS * prior) / (self.trials[d, r] + PRIOR_TRIALS)
+        return rates
 
     def record(self, request_id: str, shape: TreeShape, trials: list[tuple[int, int, bool]]) -> None:
         """One verification: (depth 1-based, rank 0-based, hit) per child examined."""

@@ -3,7 +3,8 @@
 Target passes are timed at row counts 1, 2, 4, ... up to the most one step can carry,
 with the rows spread over requests of `nodes` rows each (tree-mask spans, as verification
 runs them) behind CONTEXT_TOKENS cached tokens each; the output layer (logits and argmax)
-at the same row counts; draft passes like target passes, with topk rows per request. Each point is the faster of two runs after one warm-up. The result is cached
+at the same row counts; draft passes like target passes, with topk rows per request. Each point is the fastest of three sweeps over the whole ladder after one warm-up, and
+a point below a smaller size's is raised to it (CostCurve.monotone). The result is cached
 under $EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes,
 dtype, device, threads, attention backend, page size, torch version).
 """
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 CONTEXT_TOKENS = 128
 MAX_TARGET_ROWS = 2048
 MAX_DRAFT_ROWS = 1024
-FORMAT = 2  # bump when what is measured changes
+FORMAT = 3  # bump when what is measured changes
 
 
 def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
@@ -66,14 +67,14 @@ def measure(runner, pages: PageAllocator, max_requests: int) -> CostModel:
     try:
         target_rows = _ladder(min(MAX_TARGET_ROWS, requests * largest.nodes))
         draft_rows = _ladder(min(MAX_DRAFT_ROWS, requests * largest.topk))
-        target = [_best_time(lambda m=m: _target_pass(runner, tables, m, largest.nodes)) for m in target_rows]
-        logits = [_best_time(lambda m=m: _logits_pass(runner, m)) for m in target_rows]
-        draft = [_best_time(lambda r=r: _draft_pass(runner, tables, r, largest.topk)) for r in draft_rows]
+        target = _best_times([lambda m=m: _target_pass(runner, tables, m, largest.nodes) for m in target_rows])
+        logits = _best_times([lambda m=m: _logits_pass(runner, m) for m in target_rows])
+        draft = _best_times([lambda r=r: _draft_pass(runner, tables, r, largest.topk) for r in draft_rows])
     finally:
         for table in tables:
             pages.free(table)
-    return CostModel(CostCurve(target_rows, target), CostCurve(target_rows, logits), CostCurve(draft_rows, draft),
-                     CONTEXT_TOKENS)
+    return CostModel(CostCurve.monotone(target_rows, target), CostCurve.monotone(target_rows, logits),
+                     CostCurve.monotone(draft_rows, draft), CONTEXT_TOKENS)
 
 
 def _target_pass(runner, tables, rows: int, per_request: int) -> None:
@@ -114,18 +115,23 @@ def _spans(tables, rows: int, per_request: int, device):
     return ids, torch.tensor(positions, device=device), spans
 
 
-def _best_time(run, repeats: int = 2) -> float:
-    run()  # warm-up: first calls at a size pay for allocation and kernel set-up
-    times = []
+def _best_times(runs, repeats: int = 3) -> list[float]:
+    """The fastest of `repeats` timings of each run, after one warm-up of each. The ladder is
+    swept whole each time, so a stall of the machine lands on different sizes, not on
+    every repeat of one."""
+    for run in runs:
+        run()  # warm-up: first calls at a size pay for allocation and kernel set-up
+    best = [float("inf")] * len(runs)
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        run()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return min(times)
+        for index, run in enumerate(runs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            best[index] = min(best[index], time.perf_counter() - began)
+    return best
 
 
 def _ladder(limit: int) -> list[int]:

@@ -37,6 +37,8 @@ class AdaptiveSpeculation:
 
     def decide(self, load: StepLoad, eligible_ids: list[str]) -> Decision:
         decision = self.policy.decide(load)
+        if not load.decoding:
+            return decision  # a prefill-only step: nothing was chosen, nothing to record
         chosen = set(decision.speculating)
         self.acceptance.relax(rid for index, rid in enumerate(eligible_ids) if index not in chosen)
         self.last = decision

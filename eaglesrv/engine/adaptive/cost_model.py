@@ -8,7 +8,10 @@ verification `nodes` rows per request, a draft pass topk rows per speculating re
 
 The measured times leave out what the passes do not show (tree building, acceptance on the
 host). `corrections` holds, per kind of step, a decayed ratio of the step times actually
-seen to the times predicted, so that the policy compares what steps really cost.
+seen to the times predicted, so that the policy compares what steps really cost. Only
+steps without prefill chunks feed it: a chunk's cost depends on its own length and
+context, which the decode-shaped measurement does not model, and letting it in would
+make plain decoding look dearer than it is whenever requests arrive.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 CORRECTION_DECAY = 0.95
-CORRECTION_RANGE = (0.5, 4.0)
+CORRECTION_RANGE = (0.5, 2.0)
 
 
 @dataclass
@@ -27,6 +30,11 @@ class CostCurve:
 
     rows: list[int]
     seconds: list[float]
+
+    @classmethod
+    def monotone(cls, rows: list[int], seconds: list[float]) -> "CostCurve":
+        """More rows never cost less: a point below an earlier one is noise, raised to it."""
+        return cls(list(rows), [float(t) for t in np.maximum.accumulate(np.asarray(seconds, dtype=float))])
 
     def __call__(self, rows) -> np.ndarray:
         rows = np.asarray(rows, dtype=float)

@@ -152,7 +152,7 @@ class Eagle3Runner:
 
         # 5. draft extend over what each sequence committed this step
         self._extend(seqs, results, offsets, kept_rows, features)
-        if decision is not None:
+        if decision is not None and all(len(seq.token_ids) == 1 for seq in seqs):  # decode-only steps calibrate
             self.adaptive.observe(decision, time.perf_counter() - started)
         return [results[i] for i in range(len(seqs)) if seqs[i].sample]
 
