@@ -48,7 +48,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default=None, help="the served model (default: eaglesrv's default model)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory or hub id, for the servers and for counting (default: the model's)")
-    p.add_argument("--speculative-draft-model-path", default=None, help="the EAGLE-3 head for --eagle-configs")
+    p.add_argument("--speculative-draft-model-path", default=None,
+                   help="the EAGLE-3 head for --eagle-configs (default model: the head eaglesrv ships)")
     p.add_argument("--eagle-configs", nargs="+", type=EagleTree.parse, default=None, metavar="STEPS,TOPK,TOKENS",
                    help="one EAGLE-3 server per setting (SGLang's --speculative-num-steps, -eagle-topk, "
                         "-num-draft-tokens); default with a draft path: 5,8,32")
@@ -153,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_matplotlib()
     server_args = tuple(shlex.split(args.server_args))
     _check_server_args(server_args)
-    configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config, args.adaptive_configs)
+    configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config, args.adaptive_configs,
+                            default_model=args.model_path is None)
     tokenizer = load_tokenizer(args.tokenizer or args.model_path)  # None: the default model's
     rows = requests_from_args(args, tokenizer)
     print(summarize(rows))

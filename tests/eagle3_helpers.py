@@ -54,13 +54,13 @@ class OracleDraft(torch.nn.Module):
         self.sequence = sequence
         self.hidden_size = real_draft.config.arch.hidden_size
 
-    def forward(self, input_ids, features, positions, ctx):
+    def forward(self, input_ids, features, positions, ctx, logit_rows=None):
         vocab = self.config.draft_vocab_size
         logits = torch.full((len(input_ids), vocab), -30.0)
         for row, position in enumerate(positions.tolist()):
             if position + 2 < len(self.sequence):
                 logits[row, self.sequence[position + 2]] = 30.0
-        return logits, torch.zeros(len(input_ids), self.hidden_size)
+        return logits if logit_rows is None else logits[logit_rows], torch.zeros(len(input_ids), self.hidden_size)
 
 
 def use_oracle(engine: Engine, sequence: list[int]) -> None:

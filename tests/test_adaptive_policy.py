@@ -38,15 +38,17 @@ def synthetic_table(rng: np.random.Generator, depths: int, ranks: int) -> Accept
 
 def brute_force(shapes, costs: CostModel, table: AcceptanceTable, load: StepLoad) -> float:
     """The best tokens/s over plain decoding and every (shape, subset of eligible requests)."""
-    best = load.decoding / float(costs.plain_step(load.decoding, load.other_rows))
+    alone = float(costs.plain_step(load.decoding, 0))  # the decode-only plain step
+    beside_chunk = float(costs.plain_step(load.decoding, load.other_rows))
+    best = load.decoding / alone
     eligible = range(len(load.multipliers))
     for shape in shapes:
         accept = table.expected_accept_length(shape)
         for size in range(1, len(load.multipliers) + 1):
             for subset in itertools.combinations(eligible, size):
                 tokens = load.decoding + sum(1 + load.multipliers[i] * (accept - 1) - 1 for i in subset)
-                seconds = float(costs.speculative_step(shape.nodes, shape.topk, shape.steps, size,
-                                                       load.decoding - size, accept, load.other_rows))
+                seconds = alone + float(costs.speculative_step(shape.nodes, shape.topk, shape.steps, size,
+                                                               load.decoding - size, accept, load.other_rows)) - beside_chunk
                 best = max(best, tokens / seconds)
     return best
 
@@ -87,6 +89,27 @@ def test_policy_goes_plain_under_load_and_speculates_alone():
     # A request whose own acceptance is poor sits out while the others speculate.
     mixed = policy.decide(StepLoad(3, [1.0, 0.01, 1.0]))
     assert mixed.shape is not None and sorted(mixed.speculating) == [0, 2]
+
+
+def test_a_prefill_chunk_in_the_pass_does_not_make_trees_look_cheap():
+    # Compute-bound past 16 rows: 32 requests x (3,1,4) would be 128 rows, 4x the work of
+    # plain decoding, for an accept length near 2. Beside a 2,000-token chunk the step is
+    # slow anyway, but the trees still add their rows: the choice must stay plain.
+    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
+                      CostCurve(ROWS, [0.002] * len(ROWS)))
+    table = AcceptanceTable(3, 1)
+    table.hits, table.trials = np.full((3, 1), 60.0), np.full((3, 1), 100.0)
+    table.version += 1
+    policy = SpeculationPolicy(TreeShape.of(3, 1, 4), costs, table, hysteresis=0.0)
+    for other_rows in (0, 2000):
+        policy.current = None
+        decision = policy.decide(StepLoad(32, [1.0] * 32, other_rows))
+        assert decision.shape is None, other_rows
+        assert decision.tokens_per_s == pytest.approx(32 / float(costs.plain_step(32)))
+    # Alone, the same request speculates whether or not a chunk shares the pass.
+    for other_rows in (0, 8):
+        policy.current = None
+        assert policy.decide(StepLoad(1, [1.0], other_rows)).shape is not None, other_rows
 
 
 def test_hysteresis_keeps_the_shape_until_the_margin_is_passed():

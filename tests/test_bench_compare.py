@@ -42,6 +42,9 @@ def test_configuration_flags() -> None:
     assert extra[1].name == "adaptive" and extra[1].server_args == ("--speculative-algorithm", "EAGLE3", "--x", "a b")
     with pytest.raises(ValueError, match="draft-model-path"):
         build_configs(None, [EagleTree(3, 1, 4)])
+    shipped = build_configs(None, [EagleTree(3, 1, 4)], default_model=True)  # the default model's own head
+    assert "--speculative-draft-model-path" not in shipped[1].server_args
+    assert shipped[1].server_args[:2] == ("--speculative-algorithm", "EAGLE3")
     adaptive = parse_args(["--speculative-draft-model-path", "H", "--adaptive-configs", "5,8,32"])
     configs = build_configs(adaptive.speculative_draft_model_path, adaptive.eagle_configs, [], adaptive.adaptive_configs)
     assert [c.name for c in configs] == ["plain", "eagle3 (5,8,32)", "adaptive (<=5,8,32)"]

@@ -3,6 +3,7 @@ loss falls, the head loads and keeps greedy output exact, resume is exact."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.train_eagle3 import trainer as trainer_module
 from eaglesrv.train_eagle3.__main__ import main
+from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import TrainingSequence, encode, training_conversations
 from eaglesrv.train_eagle3.trainer import plan_epoch
 from eaglesrv.train_eagle3.ttt import draft_logits, live_rows, unroll
@@ -142,6 +144,16 @@ def test_draft_vocab_by_reply_frequency():
     assert vocab.draft_to_target.tolist() == [7, 9] and vocab.coverage == pytest.approx(5 / 6)
     padded = build_draft_vocab(sequences, 5, 12)
     assert padded.draft_to_target.tolist() == [0, 1, 4, 7, 9] and padded.target_mask(12).sum() == 5
+
+
+def test_data_caches_are_keyed_on_the_seed_only_when_the_data_is_sampled():
+    greedy = TrainConfig(output_dir="out", self_distill=True, seed=0)
+    reseeded = dataclasses.replace(greedy, seed=7)
+    assert greedy.data_fingerprint() == reseeded.data_fingerprint()  # greedy replies: same data
+    assert greedy.fingerprint(*RUN_FIELDS) != reseeded.fingerprint(*RUN_FIELDS)  # but another run
+    sampled = dataclasses.replace(greedy, distill_temperature=1.0)
+    assert sampled.data_fingerprint() != dataclasses.replace(sampled, seed=7).data_fingerprint()
+    assert greedy.data_fingerprint() != dataclasses.replace(greedy, num_conversations=5).data_fingerprint()
 
 
 def test_batch_plans_are_seeded_and_bounded():

@@ -44,15 +44,16 @@ def plain() -> ServerConfig:
     return ServerConfig(BASELINE, ())
 
 
-def eagle3(draft_model_path: str, tree: EagleTree) -> ServerConfig:
-    return ServerConfig(f"eagle3 ({tree})", (
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft_model_path,
+def eagle3(draft_model_path: str | None, tree: EagleTree) -> ServerConfig:
+    """draft_model_path None: the head eaglesrv ships for the default model."""
+    head = ("--speculative-draft-model-path", draft_model_path) if draft_model_path else ()
+    return ServerConfig(f"eagle3 ({tree})", ("--speculative-algorithm", "EAGLE3", *head,
         "--speculative-num-steps", str(tree.num_steps), "--speculative-eagle-topk", str(tree.eagle_topk),
         "--speculative-num-draft-tokens", str(tree.num_draft_tokens),
     ))
 
 
-def adaptive(draft_model_path: str, largest: EagleTree) -> ServerConfig:
+def adaptive(draft_model_path: str | None, largest: EagleTree) -> ServerConfig:
     """--speculative-adaptive with `largest` as the biggest tree a step may use."""
     static = eagle3(draft_model_path, largest)
     return ServerConfig(f"adaptive (<={largest})", static.server_args + ("--speculative-adaptive",))
@@ -67,11 +68,14 @@ def custom(spec: str) -> ServerConfig:
 
 
 def build_configs(draft_model_path: str | None, trees: Sequence[EagleTree],
-                  extra: Sequence[str] = (), adaptive_trees: Sequence[EagleTree] = ()) -> list[ServerConfig]:
+                  extra: Sequence[str] = (), adaptive_trees: Sequence[EagleTree] = (),
+                  default_model: bool = False) -> list[ServerConfig]:
     """plain first (the ratios' baseline), then one EAGLE-3 server per tree, one adaptive
-    server per largest tree, then --config ones."""
-    if (trees or adaptive_trees) and not draft_model_path:
-        raise ValueError("EAGLE-3 settings need --speculative-draft-model-path")
+    server per largest tree, then --config ones. Without a draft path the servers use the
+    head shipped for the default model, so that needs `default_model`."""
+    if (trees or adaptive_trees) and not draft_model_path and not default_model:
+        raise ValueError("EAGLE-3 settings need --speculative-draft-model-path "
+                         "(only the default model has a head shipped with eaglesrv)")
     configs = [plain()]
     configs += [eagle3(draft_model_path, tree) for tree in trees]
     configs += [adaptive(draft_model_path, tree) for tree in adaptive_trees]

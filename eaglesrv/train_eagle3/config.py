@@ -88,6 +88,13 @@ class TrainConfig:
         chosen = {name: getattr(self, name) for name in fields}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
+    def data_fingerprint(self) -> str:
+        """The key of the data caches. The seed enters only when the data draws on it
+        (sampled self-distillation): a greedy run under a new seed reuses them."""
+        if self.self_distill and self.distill_temperature > 0:
+            return self.fingerprint(*DATA_FIELDS)
+        return dataclasses.replace(self, seed=0).fingerprint(*DATA_FIELDS)
+
 
 # Settings that decide the training sequences (and so every cache built from them).
 DATA_FIELDS = ("model_path", "data_path", "num_conversations", "max_seq_len", "max_turns", "self_distill",

@@ -30,7 +30,7 @@ from eaglesrv.data import TRAINING_CONVERSATIONS
 from eaglesrv.engine.eagle3.draft_model import Eagle3Config, Eagle3DraftModel
 from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, save_head
 from eaglesrv.engine.llm_engine import Engine
-from eaglesrv.train_eagle3.config import DATA_FIELDS, RUN_FIELDS, TrainConfig
+from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import (
     conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
 )
@@ -130,7 +130,7 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     times["load_target_s"] = time.monotonic() - started
     conversations = conversation_messages(
         training_conversations(config.num_conversations, config.data_path), config.max_turns)
-    data_key = config.fingerprint(*DATA_FIELDS)
+    data_key = config.data_fingerprint()
     if config.self_distill:
         began = time.monotonic()
         conversations = regenerate(

@@ -7,6 +7,9 @@ maximize the expected output tokens per second of the step:
     tokens(s, S) = decoding + (L(s) - 1) * sum of m_i over S
     value(s, S)  = tokens(s, S) / seconds(s, |S|)
 
+When a prefill chunk shares the pass, seconds(s, |S|) is the decode-only plain step plus
+what the option adds to the plain step with the chunk (the chunk itself is not charged).
+
 L(s) is the accept length the acceptance table predicts and m_i request i's multiplier
 (acceptance.py). The step's cost depends on S only through |S|, and the gain is additive,
 so for each size j the best S is the j requests with the largest m_i: the search runs over
@@ -72,7 +75,12 @@ class SpeculationPolicy:
 
     def decide(self, load: StepLoad) -> Decision:
         plain_s = float(self.costs.plain_step(load.decoding, load.other_rows))
-        plain = Decision(None, (), load.decoding / plain_s, plain_s)
+        # A prefill chunk in the pass is paid for whatever the decoders do, so an option is
+        # charged only what it adds to the plain step: rates are those of a decode-only
+        # step plus that margin. (Charging the chunk too would make any tree look cheap
+        # beside it, and trees chosen beside prefills slow everyone down.)
+        alone_s = float(self.costs.plain_step(load.decoding, 0))
+        plain = Decision(None, (), load.decoding / alone_s, plain_s)
         if not load.multipliers:
             return plain  # nobody can speculate: the shape says nothing, keep it
         multipliers = np.asarray(load.multipliers, dtype=float)
@@ -82,7 +90,7 @@ class SpeculationPolicy:
         accept = self.accept_lengths()  # [S, 1]
         seconds = self.costs.speculative_step(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
                                               accept, load.other_rows)  # [S, J]
-        rates = (load.decoding + (accept - 1) * gains) / seconds
+        rates = (load.decoding + (accept - 1) * gains) / np.maximum(alone_s + seconds - plain_s, 1e-9)
         best_j = rates.argmax(axis=1)
         best_rates = rates[np.arange(len(self.shapes)), best_j]
 

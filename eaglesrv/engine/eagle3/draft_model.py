@@ -101,13 +101,16 @@ class Eagle3DraftModel(nn.Module):
         features: torch.Tensor,  # [num_tokens, 3 * target_hidden] or [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens]
         ctx: ForwardContext,
+        logit_rows: torch.Tensor | None = None,  # rows that need logits (default: all)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns draft logits [num_tokens, draft_vocab] (float32) and the pre-norm output
-        [num_tokens, hidden] that feeds the next draft step."""
+        """Returns draft logits [num_tokens or len(logit_rows), draft_vocab] (float32) and the
+        pre-norm output [num_tokens, hidden] that feeds the next draft step. An extend needs
+        logits at one row per request only; the output layer is the dearest part of a row."""
         if features.shape[-1] != self.config.arch.hidden_size:  # the target's three layers
             features = self.fc(features)
         out = self.midlayer(positions, self.embed_tokens(input_ids), features, ctx)
-        return F.linear(self.norm(out), self.lm_head.weight).float(), out
+        wanted = out if logit_rows is None else out[logit_rows]
+        return F.linear(self.norm(wanted), self.lm_head.weight).float(), out
 
     # ---- weights ---------------------------------------------------------------------
     @torch.no_grad()

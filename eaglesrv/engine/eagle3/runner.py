@@ -322,10 +322,10 @@ class Eagle3Runner:
         else:
             features = torch.cat([step_features[self._tensor(entry.features)] if isinstance(entry.features, list)
                                   else entry.features for entry in entries])
-        logits, out = self.draft(self._tensor(token_ids), features, self._tensor(positions), ctx)
+        last = self._tensor([row for _, row, _ in finals])
+        logits, out = self.draft(self._tensor(token_ids), features, self._tensor(positions), ctx, logit_rows=last)
         if finals:
-            last = self._tensor([row for _, row, _ in finals])
-            logprobs = torch.log_softmax(logits[last], dim=-1)
+            logprobs = torch.log_softmax(logits, dim=-1)
             for (request_id, _, position), lp, h in zip(finals, logprobs, out[last]):
                 self.roots[request_id] = RootState(position, h, lp)
 
