@@ -136,6 +136,9 @@ def test_training_data_stops_at_the_held_out_split(sharegpt, monkeypatch):
     assert len(training_conversations(None, sharegpt)) == 10
     assert len(training_conversations(40, sharegpt)) == 10
     assert [c.id for c in training_conversations(3, sharegpt)] == ["c0", "c1", "c2"]
+    assert [c.id for c in training_conversations(2, sharegpt, offset=3)] == ["c3", "c4"]
+    with pytest.raises(ValueError, match="held-out"):
+        training_conversations(10, sharegpt, offset=7_995)
 
 
 def test_draft_vocab_by_reply_frequency():
@@ -146,14 +149,17 @@ def test_draft_vocab_by_reply_frequency():
     assert padded.draft_to_target.tolist() == [0, 1, 4, 7, 9] and padded.target_mask(12).sum() == 5
 
 
-def test_data_caches_are_keyed_on_the_seed_only_when_the_data_is_sampled():
+def test_distill_cache_is_keyed_on_the_seed_only_when_the_data_is_sampled():
     greedy = TrainConfig(output_dir="out", self_distill=True, seed=0)
     reseeded = dataclasses.replace(greedy, seed=7)
-    assert greedy.data_fingerprint() == reseeded.data_fingerprint()  # greedy replies: same data
+    assert greedy.distill_fingerprint() == reseeded.distill_fingerprint()  # greedy replies: same data
     assert greedy.fingerprint(*RUN_FIELDS) != reseeded.fingerprint(*RUN_FIELDS)  # but another run
     sampled = dataclasses.replace(greedy, distill_temperature=1.0)
-    assert sampled.data_fingerprint() != dataclasses.replace(sampled, seed=7).data_fingerprint()
-    assert greedy.data_fingerprint() != dataclasses.replace(greedy, num_conversations=5).data_fingerprint()
+    assert sampled.distill_fingerprint() != dataclasses.replace(sampled, seed=7).distill_fingerprint()
+    # Entries are whole conversations by file index: any slice of the data shares the cache.
+    assert greedy.distill_fingerprint() == dataclasses.replace(greedy, num_conversations=5,
+                                                               conversation_offset=3).distill_fingerprint()
+    assert greedy.distill_fingerprint() != dataclasses.replace(greedy, distill_max_new_tokens=9).distill_fingerprint()
 
 
 def test_batch_plans_are_seeded_and_bounded():
@@ -221,7 +227,7 @@ def test_resume_continues_exactly(chat_model, sharegpt, trained, tmp_path, monke
     assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
-def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, tmp_path):
+def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, tmp_path, monkeypatch):
     out = tmp_path / "distilled"
     argv = train_argv(chat_model, sharegpt, out, "--self-distill", "--max-steps", "3")
     argv[argv.index("--num-conversations") + 1] = "6"
@@ -236,6 +242,11 @@ def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, t
     ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     reply = engine.generate([ids], SamplingParams(temperature=0, max_tokens=64 - len(ids)))[0]
     assert first[1] == {"role": "assistant", "content": reply.text}
+    # A run over a slice of those conversations generates nothing: the cache has them by index.
+    monkeypatch.setattr(Engine, "generate", lambda *a, **k: pytest.fail("regenerated a cached conversation"))
+    argv[argv.index("--num-conversations") + 1] = "3"
+    main(argv + ["--conversation-offset", "2", "--output-dir", str(tmp_path / "slice"), "--work-dir", str(out / "work")])
+    assert len(cache.read_text().splitlines()) == 1 + 6
 
 
 def test_init_from_continues_a_trained_head(chat_model, sharegpt, trained, tmp_path):
@@ -246,7 +257,13 @@ def test_init_from_continues_a_trained_head(chat_model, sharegpt, trained, tmp_p
     continued = [json.loads(line) for line in (further / "train_state" / "train_log.jsonl").read_text().splitlines()]
     # Its first step starts where the trained head ended, far below a fresh head's first loss.
     assert continued[0]["loss"] < (log[0]["loss"] + log[-1]["loss"]) / 2
-    with pytest.raises(ValueError, match="draft vocabulary differs"):
-        other = train_argv(chat_model, sharegpt, tmp_path / "other", "--init-from", str(out), "--max-steps", "1")
-        other[other.index("--draft-vocab-size") + 1] = "160"
-        main(other)
+    # The head keeps the vocabulary its lm_head was trained for, whatever --draft-vocab-size says,
+    # and trains on other conversations than the ones it saw.
+    other = train_argv(chat_model, sharegpt, tmp_path / "other", "--init-from", str(out), "--max-steps", "1",
+                       "--conversation-offset", "3", "--num-conversations", "4")
+    other[other.index("--draft-vocab-size") + 1] = "160"
+    metadata = main(other)
+    assert metadata["draft_vocab"]["size"] == json.loads((out / "config.json").read_text())["draft_vocab_size"]
+    assert metadata["data"]["conversations"].startswith("usable conversations [3, 7)")
+    assert torch.equal(load_file(str(tmp_path / "other" / "model.safetensors"))["d2t"],
+                       load_file(str(out / "model.safetensors"))["d2t"])

@@ -32,6 +32,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     data = p.add_argument_group("data")
     data.add_argument("--num-conversations", type=int, default=None,
                       help="first N usable conversations (default and maximum: 8000, the held-out rule)")
+    data.add_argument("--conversation-offset", type=int, default=0,
+                      help="skip the first N (train a head further on conversations it has not seen)")
     data.add_argument("--max-seq-len", type=int, default=DEFAULTS.max_seq_len,
                       help="tokens per conversation; the rest is cut")
     data.add_argument("--max-turns", type=int, default=None,
@@ -49,7 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     head.add_argument("--ttt-steps", type=int, default=DEFAULTS.ttt_steps, help="training-time-test unroll depth")
     head.add_argument("--init-from", default=None,
                       help="start from this head's weights instead of random ones (to train a head further); "
-                           "its draft vocabulary must be the one this data gives")
+                           "its draft vocabulary is kept and --draft-vocab-size ignored")
     head.add_argument("--lm-head-init", default=DEFAULTS.lm_head_init, choices=("target", "random"),
                       help="start lm_head from the target's rows for the draft vocabulary, or at random")
     head.add_argument("--save-dtype", default=DEFAULTS.save_dtype, choices=SAVE_DTYPES,
@@ -71,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     hw.add_argument("--device", default=DEFAULTS.device, choices=("auto", "cpu", "cuda"))
     hw.add_argument("--target-dtype", default=DEFAULTS.target_dtype, choices=("auto", "float32", "float16", "bfloat16"))
     hw.add_argument("--amp", default=DEFAULTS.amp, choices=("auto", "bf16", "none"),
-                    help="bf16 autocast for the head (auto: on CUDA only)")
+                    help="bf16 autocast for the head (auto: on CUDA and on CPUs with native bf16)")
     hw.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     hw.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     return TrainConfig(**vars(p.parse_args(argv)))

