@@ -4,9 +4,12 @@ The draft is scored on how often it guesses what the *target* will say, so train
 the target's own replies (rather than ChatGPT's) gives the best acceptance (EAGLE-3 and
 SpecForge both regenerate their data). Turns are rewritten in order: reply k is generated
 from the user turns and the target's own replies 1 .. k-1, until the conversation fills
-max_seq_len tokens. Conversations are generated in batches through Engine.generate.
+max_seq_len tokens. Up to `batch_size` conversations are in flight at once, on the engine's
+continuous batching: when a reply ends, that conversation's next turn (or the next
+conversation) takes its place, so the batch stays full instead of waiting for the
+longest reply of a fixed group.
 
-Results are appended to a JSONL cache one batch at a time, each under its conversation's
+Results are appended to a JSONL cache one conversation at a time, each under its
 index in the file, so an interrupted run picks up where it stopped and a run over another
 slice of the data reuses what overlaps; the first line holds the settings fingerprint the
 cache belongs to.
@@ -15,6 +18,7 @@ cache belongs to.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -41,79 +45,105 @@ def regenerate(
     progress: bool = True,
 ) -> list[Messages]:
     """The conversations with every assistant turn replaced by the target's reply."""
+    if len(indices) != len(conversations):
+        raise ValueError("one index per conversation")
     done = _read_cache(cache_file, fingerprint)
     # Rewrite what survived, so that a line cut by an interruption is not left mid-file.
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"fingerprint": fingerprint})]
     lines += [json.dumps({"index": i, "messages": m}) for i, m in sorted(done.items())]
     cache_file.write_text("\n".join(lines) + "\n")
-    if len(indices) != len(conversations):
-        raise ValueError("one index per conversation")
-    todo = [k for k, index in enumerate(indices) if index not in done]
+    todo = [_Rewrite(index, conversations[k]) for k, index in enumerate(indices) if index not in done]
+    todo.reverse()  # popped from the end: file order
+    budget = _ReplyBudget(engine, max_seq_len, max_new_tokens, temperature, seed)
+    in_flight: dict[str, _Rewrite] = {}
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="self-distill",
                unit="conv", disable=not progress)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        chunk_indices = [indices[k] for k in chunk]
-        rewritten = _rewrite_batch(engine, [conversations[k] for k in chunk], chunk_indices, max_seq_len,
-                                   max_new_tokens, temperature, seed)
-        with cache_file.open("a") as f:
-            for index, messages in zip(chunk_indices, rewritten):
-                f.write(json.dumps({"index": index, "messages": messages}) + "\n")
-                done[index] = messages
-        bar.update(len(chunk))
+    with cache_file.open("a") as cache:
+        while todo or in_flight:
+            while todo and len(in_flight) < batch_size:
+                _advance(todo.pop(), budget, in_flight, cache, done, bar)
+            for out in engine.step():
+                rewrite = in_flight.get(out.request_id)
+                if rewrite is None:
+                    continue
+                rewrite.reply_ids.extend(out.new_token_ids)
+                if out.finished:
+                    del in_flight[out.request_id]
+                    rewrite.take_reply(engine.decode(rewrite.reply_ids), cut=out.finish_reason == "length")
+                    _advance(rewrite, budget, in_flight, cache, done, bar)
     bar.close()
     return [done[index] for index in indices]
 
 
-def _rewrite_batch(
-    engine: Engine,
-    batch: Sequence[Messages],
-    indices: Sequence[int],
-    max_seq_len: int,
-    max_new_tokens: int | None,
-    temperature: float,
-    seed: int,
-) -> list[Messages]:
-    tokenizer = engine.tokenizer
-    rewritten: list[Messages] = [[] for _ in batch]
-    cursor = [0] * len(batch)  # next original message to take, per conversation
-    active = [b for b, messages in enumerate(batch) if messages]
-    round_index = 0
-    while active:
-        requests, params, owners = [], [], []
-        for b in active:
-            messages = batch[b]
-            while cursor[b] < len(messages) and messages[cursor[b]]["role"] != "assistant":
-                rewritten[b].append(messages[cursor[b]])  # user / system turns are kept as they are
-                cursor[b] += 1
-            if cursor[b] >= len(messages):
-                continue
-            ids = prompt_ids(tokenizer, rewritten[b])
-            room = max_seq_len - len(ids)
-            if room < MIN_REPLY_TOKENS:
-                continue
-            budget = room if max_new_tokens is None else min(room, max_new_tokens)
-            requests.append(ids)
-            # One seed per (run, conversation, turn): sampled replies do not depend on batching.
-            params.append(SamplingParams(temperature=temperature, max_tokens=budget,
-                                         seed=(seed * 1_000_003 + indices[b] * 1_009 + round_index) % 2**63))
-            owners.append(b)
-        if not requests:
-            break
-        results = engine.generate(requests, params)
-        active = []
-        for b, result in zip(owners, results):
-            rewritten[b].append({"role": "assistant", "content": result.text or ""})
-            cursor[b] += 1
-            if result.finish_reason != "length":  # a reply cut short ends the conversation
-                active.append(b)
-        round_index += 1
-    # Keep only complete exchanges: drop user turns left without a reply.
-    for messages in rewritten:
+@dataclass
+class _Rewrite:
+    """One conversation being rewritten: user turns as they are, assistant turns regenerated."""
+
+    index: int
+    original: Messages
+    rewritten: Messages = field(default_factory=list)
+    cursor: int = 0  # next original message to take
+    turn: int = 0  # assistant turns generated so far
+    ended: bool = False  # a reply was cut by its budget: the conversation stops there
+    reply_ids: list[int] = field(default_factory=list)
+
+    def next_history(self) -> Messages | None:
+        """The history the next reply continues, or None when the conversation is complete."""
+        while self.cursor < len(self.original) and self.original[self.cursor]["role"] != "assistant":
+            self.rewritten.append(self.original[self.cursor])  # user / system turns are kept as they are
+            self.cursor += 1
+        if self.ended or self.cursor >= len(self.original):
+            return None
+        return self.rewritten
+
+    def take_reply(self, text: str, cut: bool) -> None:
+        self.rewritten.append({"role": "assistant", "content": text or ""})
+        self.cursor += 1
+        self.turn += 1
+        self.ended = cut
+        self.reply_ids = []
+
+    def finished_messages(self) -> Messages:
+        """Complete exchanges only: user turns left without a reply are dropped."""
+        messages = list(self.rewritten)
         while messages and messages[-1]["role"] != "assistant":
             messages.pop()
-    return rewritten
+        return messages
+
+
+@dataclass(frozen=True)
+class _ReplyBudget:
+    engine: Engine
+    max_seq_len: int
+    max_new_tokens: int | None
+    temperature: float
+    seed: int
+
+    def request(self, rewrite: _Rewrite, history: Messages) -> tuple[list[int], SamplingParams] | None:
+        """The next reply's prompt and sampling settings, or None when too little room is left."""
+        ids = prompt_ids(self.engine.tokenizer, history)
+        room = self.max_seq_len - len(ids)
+        if room < MIN_REPLY_TOKENS:
+            return None
+        tokens = room if self.max_new_tokens is None else min(room, self.max_new_tokens)
+        # One seed per (run, conversation, turn): sampled replies do not depend on batching.
+        seed = (self.seed * 1_000_003 + rewrite.index * 1_009 + rewrite.turn) % 2**63
+        return ids, SamplingParams(temperature=self.temperature, max_tokens=tokens, seed=seed)
+
+
+def _advance(rewrite: _Rewrite, budget: _ReplyBudget, in_flight: dict, cache, done: dict, bar) -> None:
+    """Queue the conversation's next reply, or record it as finished."""
+    history = rewrite.next_history()
+    request = budget.request(rewrite, history) if history is not None else None
+    if request is not None:
+        in_flight[budget.engine.add_request(*request)] = rewrite
+        return
+    messages = rewrite.finished_messages()
+    cache.write(json.dumps({"index": rewrite.index, "messages": messages}) + "\n")
+    cache.flush()
+    done[rewrite.index] = messages
+    bar.update(1)
 
 
 def _read_cache(cache_file: Path, fingerprint: str) -> dict[int, Messages]:
