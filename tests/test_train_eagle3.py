@@ -265,5 +265,7 @@ def test_init_from_continues_a_trained_head(chat_model, sharegpt, trained, tmp_p
     metadata = main(other)
     assert metadata["draft_vocab"]["size"] == json.loads((out / "config.json").read_text())["draft_vocab_size"]
     assert metadata["data"]["conversations"].startswith("usable conversations [3, 7)")
+    earlier = json.loads((out / "TRAINING.json").read_text())  # the history travels with the head
+    assert metadata["initialized_from"]["command"] == earlier["command"]
     assert torch.equal(load_file(str(tmp_path / "other" / "model.safetensors"))["d2t"],
                        load_file(str(out / "model.safetensors"))["d2t"])

@@ -183,8 +183,18 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     times["total_s"] = time.monotonic() - started
 
     metadata = _metadata(config, argv, sequences, vocab, capture, extraction, summary, times)
+    metadata.update(lineage(config.init_from))
     (Path(config.output_dir) / METADATA_NAME).write_text(json.dumps(metadata, indent=2))
     return metadata
+
+
+def lineage(init_from: str | None) -> dict[str, Any]:
+    """For a head trained further: the TRAINING.json of the head it started from, so that
+    the whole history of a head (every command, data slice and time) stays beside it."""
+    earlier = Path(init_from) / METADATA_NAME if init_from else None
+    if earlier is None or not earlier.exists():
+        return {}
+    return {"initialized_from": json.loads(earlier.read_text())}
 
 
 def _data_end(config: TrainConfig) -> int:
