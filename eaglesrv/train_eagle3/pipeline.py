@@ -32,7 +32,7 @@ from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, sav
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import (
-    TrainingSequence, conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
+    conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
 )
 from eaglesrv.train_eagle3.distill import regenerate
 from eaglesrv.train_eagle3.features import FeatureCache, extract_features
@@ -95,18 +95,15 @@ def new_head(
     return draft
 
 
-def head_vocab(path: str, sequences: Sequence[TrainingSequence], engine: Engine) -> DraftVocab:
-    """The draft vocabulary of the head saved at `path`, with its coverage of this data."""
-    saved = load_draft_head(path, engine.arch, engine.model.model.embed_tokens.weight.detach(), torch.float32,
-                            torch.device("cpu"))
-    return vocab_of(saved.draft_to_target.cpu(), sequences)
+def load_parent(path: str, engine: Engine) -> Eagle3DraftModel:
+    """The head --init-from names, on the CPU in float32 (read once: its vocabulary and weights)."""
+    return load_draft_head(path, engine.arch, engine.model.model.embed_tokens.weight.detach(), torch.float32,
+                           torch.device("cpu"))
 
 
-def start_from(draft: Eagle3DraftModel, path: str, engine: Engine) -> None:
-    """Copy a saved head's weights into `draft` (--init-from); `draft` has its vocabulary."""
-    saved = load_draft_head(path, engine.arch, engine.model.model.embed_tokens.weight.detach(), torch.float32,
-                            torch.device("cpu"))
-    draft.load_state_dict(saved.state_dict())
+def start_from(draft: Eagle3DraftModel, parent: Eagle3DraftModel, path: str) -> None:
+    """Copy the parent head's weights into `draft` (--init-from); `draft` has its vocabulary."""
+    draft.load_state_dict(parent.state_dict())
     draft.embed_tokens.weight.requires_grad_(False)
     logger.info("starting from the weights of %s", path)
 
@@ -148,8 +145,9 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
     if not sequences:
         raise ValueError("no training sequence has reply tokens; check --num-conversations and --max-seq-len")
-    if config.init_from:  # a head trained further keeps the vocabulary its lm_head was trained for
-        vocab = head_vocab(config.init_from, sequences, engine)
+    parent = load_parent(config.init_from, engine) if config.init_from else None
+    if parent is not None:  # a head trained further keeps the vocabulary its lm_head was trained for
+        vocab = vocab_of(parent.draft_to_target.cpu(), sequences)
     else:
         vocab = build_draft_vocab(sequences, config.draft_vocab_size, engine.arch.vocab_size)
     logger.info("draft vocabulary: %d tokens cover %.1f%% of reply tokens", vocab.size, 100 * vocab.coverage)
@@ -167,8 +165,9 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
 
     device = engine.device
     draft = new_head(hf_config, engine, vocab, config.seed, config.lm_head_init)
-    if config.init_from:
-        start_from(draft, config.init_from, engine)
+    if parent is not None:
+        start_from(draft, parent, config.init_from)
+        del parent
     draft = draft.to(device)
     target_rows = target_output_rows(engine, vocab)
     del engine  # training needs neither the target's weights nor its KV pool
