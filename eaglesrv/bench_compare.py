@@ -1,8 +1,9 @@
 """Plain decoding against EAGLE-3 settings, side by side, at several loads.
 
 Starts `python -m eaglesrv.launch` once per configuration (plain; one EAGLE-3 server per
---eagle-configs entry; any --config NAME=FLAGS), sends the same ShareGPT prompts at each
-of --concurrencies, and writes to --output-dir:
+--eagle-configs entry; one adaptive server per --adaptive-configs entry; any --config
+NAME=FLAGS), sends the same ShareGPT prompts at each of --concurrencies (--rounds times
+each, interleaved across the configurations), and writes to --output-dir:
   bench_compare.md    output tok/s (and the ratio to plain), accept length, TTFT, ITL
   bench_compare.json  the same runs in full, with the machine and the settings
   throughput.png      output tok/s against concurrency, one line per configuration
@@ -64,6 +65,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-args", default="",
                    help='flags for every server, e.g. "--num-threads 2 --max-total-tokens 65536" '
                         '(a single flag needs the = form: --server-args="--disable-cuda-graph")')
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of every configuration at each concurrency, interleaved (order reversed each "
+                        "round) and pooled in the table; above 1 every server stays up at once, so on a GPU "
+                        "give each a share of memory (--mem-fraction-static) (default 1)")
     p.add_argument("--backend", default="sglang", choices=BACKENDS,
                    help="the API the requests use (default: sglang, the native /generate)")
     p.add_argument("--output-dir", type=Path, default=Path("bench_compare_out"))
@@ -74,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.num_prompts is None and not args.smoke:
         args.num_prompts = 100  # bench_serving's 1000 would take hours per configuration on a CPU
     args = fill_defaults(args)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.concurrencies is None:
         args.concurrencies = _concurrencies(SMOKE_CONCURRENCIES if args.smoke else "1,4,16,64")
     if args.eagle_configs is None:
@@ -114,6 +121,9 @@ def describe(args: argparse.Namespace, rows: Sequence[DatasetRow], configs: Sequ
         "Server flags: " + "; ".join(f"{c.name}: `{shlex.join([*c.server_args, *shlex.split(args.server_args)])}`"
                                      for c in configs),
         "vs plain: output tok/s over plain's at the same concurrency. Accept length: tokens per verification.",
+        *([f"{args.rounds} rounds per configuration and concurrency, interleaved, order reversed each round; "
+           "rows pool the rounds (tokens over time); 'each round': the range of the per-round ratios."]
+          if args.rounds > 1 else []),
     ]
 
 
@@ -121,12 +131,14 @@ def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerConfig], ru
     problems = []
     for config in configs:
         for c in args.concurrencies:
-            run = next((r for r in runs if r["config"] == config.name and r["max_concurrency"] == c), None)
-            if run is None or run["completed"] != args.num_prompts:
-                problems.append(f"{config.name} at concurrency {c}: " + ("no run" if run is None else
-                                                                          f"{run['failed']} requests failed"))
-            elif "--speculative-algorithm" in config.server_args and run.get("accept_length") is None:
-                problems.append(f"{config.name} at concurrency {c}: no accept length")
+            for round_number in range(1, args.rounds + 1):
+                where = f"{config.name} at concurrency {c}" + (f", round {round_number}" if args.rounds > 1 else "")
+                run = next((r for r in runs if (r["config"], r["max_concurrency"], r["round"])
+                            == (config.name, c, round_number)), None)
+                if run is None or run["completed"] != args.num_prompts:
+                    problems.append(f"{where}: " + ("no run" if run is None else f"{run['failed']} requests failed"))
+                elif "--speculative-algorithm" in config.server_args and run.get("accept_length") is None:
+                    problems.append(f"{where}: no accept length")
     for name in (MARKDOWN_NAME, JSON_NAME, PLOT_NAME):
         path = args.output_dir / name
         if not path.is_file() or path.stat().st_size == 0:
@@ -163,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = CompareSettings(
         concurrencies=args.concurrencies, output_dir=args.output_dir, backend=args.backend,
         model_args=model_args(args), server_args=server_args, startup_timeout_s=args.startup_timeout,
-        seed=args.seed, show_progress=not args.disable_tqdm,
+        seed=args.seed, show_progress=not args.disable_tqdm, rounds=args.rounds,
     )
     context = run_context(args, argv, configs, server_args, header, len(rows))
     runs = run_comparison(configs, rows, tokenizer, settings, context, header)

@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from eaglesrv.bench.compare_configs import EagleTree, build_configs
-from eaglesrv.bench.compare_report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, write_outputs
+from eaglesrv.bench.compare_configs import ServerConfig
+from eaglesrv.bench.compare_report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, pool_rounds, write_outputs
+from eaglesrv.bench.compare_run import schedule
 from eaglesrv.bench.server_launcher import ManagedServer
 from eaglesrv.bench_compare import parse_args
 
@@ -57,10 +59,43 @@ def test_configuration_flags() -> None:
         ManagedServer(["--port", "1"], log_path="unused.log")
 
 
-def fake_run(config: str, concurrency: int, throughput: float, accept: float | None = None) -> dict:
-    return {"config": config, "max_concurrency": concurrency, "request_rate": float("inf"), "completed": 4,
-            "failed": 0, "output_throughput": throughput, "accept_length": accept, "mean_ttft_ms": 100.0,
-            "median_ttft_ms": 90.0, "mean_itl_ms": 20.0, "median_itl_ms": 19.0}
+def fake_run(config: str, concurrency: int, throughput: float, accept: float | None = None, round_number: int = 1,
+             tokens: int = 100, itl: float = 20.0) -> dict:
+    return {"config": config, "max_concurrency": concurrency, "round": round_number, "request_rate": float("inf"),
+            "completed": 4, "failed": 0, "total_output_tokens": tokens, "duration": tokens / throughput,
+            "output_throughput": throughput, "accept_length": accept, "mean_ttft_ms": 100.0,
+            "median_ttft_ms": 90.0, "mean_itl_ms": itl, "median_itl_ms": itl - 1}
+
+
+def test_rounds_alternate_the_order_and_keep_one_concurrency_together() -> None:
+    a, b, c = (ServerConfig(name, ()) for name in "abc")
+    assert schedule([a, b], [1, 4], 1) == [(a, 1, 1), (a, 4, 1), (b, 1, 1), (b, 4, 1)]  # one server at a time
+    assert [(cfg.name, conc, r) for cfg, conc, r in schedule([a, b, c], [1, 4], 3)] == [
+        ("a", 1, 1), ("b", 1, 1), ("c", 1, 1), ("c", 1, 2), ("b", 1, 2), ("a", 1, 2), ("a", 1, 3), ("b", 1, 3),
+        ("c", 1, 3), ("a", 4, 1), ("b", 4, 1), ("c", 4, 1), ("c", 4, 2), ("b", 4, 2), ("a", 4, 2), ("a", 4, 3),
+        ("b", 4, 3), ("c", 4, 3)]
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+
+
+def test_rounds_pool_tokens_over_time_and_pair_ratios_within_a_round(tmp_path) -> None:
+    # Round 2 ran on a machine twice as slow: each round's ratio is 2.0 for "fast", and
+    # pooling keeps 2.0, where comparing fast's round 2 with plain's round 1 would not.
+    runs = [fake_run("plain", 1, 10.0, tokens=100), fake_run("fast", 1, 20.0, 1.5, tokens=100, itl=10.0),
+            fake_run("fast", 1, 10.0, 1.7, round_number=2, tokens=100, itl=30.0),
+            fake_run("plain", 1, 5.0, round_number=2, tokens=100)]
+    rows = {row["config"]: row for row in pool_rounds(runs)}
+    assert [r["output_throughput_vs_plain"] for r in runs] == [1.0, 2.0, 2.0, 1.0]
+    fast = rows["fast"]
+    assert fast["output_throughput"] == pytest.approx(200 / 15.0)  # 200 tokens over 5 s + 10 s
+    assert fast["output_throughput_vs_plain"] == pytest.approx((200 / 15.0) / (200 / 30.0))
+    assert (fast["rounds"], fast["completed"], fast["vs_plain_each_round"]) == (2, 8, [2.0, 2.0])
+    assert (fast["accept_length"], fast["mean_itl_ms"], fast["median_itl_ms"]) == (pytest.approx(1.6), 20.0, 19.0)
+    write_outputs(tmp_path, runs, {"title": "t"}, [])
+    table = (tmp_path / MARKDOWN_NAME).read_text()
+    assert "| vs plain, each round |" in table and "| 1 | fast | 13.3 | 2.00x | 2.00-2.00x | 1.60 |" in table
+    saved = json.loads((tmp_path / JSON_NAME).read_text())
+    assert len(saved["runs"]) == 4 and [r["config"] for r in saved["table"]] == ["plain", "fast"]
 
 
 def test_outputs_hold_one_row_per_run_with_the_ratio_to_plain(tmp_path) -> None:
@@ -98,7 +133,8 @@ def small_random_head(head_dir) -> str:
 
 
 @pytest.mark.slow
-def test_smoke_run_starts_each_server_and_writes_a_complete_comparison(tmp_path) -> None:
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_smoke_run_starts_each_server_and_writes_a_complete_comparison(tmp_path, rounds) -> None:
     from eaglesrv.bench.serving_metrics import missing_report_lines
     from eaglesrv.bench.serving_tokenizer import load_tokenizer
 
@@ -110,22 +146,29 @@ def test_smoke_run_starts_each_server_and_writes_a_complete_comparison(tmp_path)
     cmd = [sys.executable, "-m", "eaglesrv.bench_compare", "--smoke", "--num-prompts", "2",
            "--sharegpt-output-len", "4", "--tokenizer", str(tmp_path / "tokenizer"),
            "--speculative-draft-model-path", head, "--eagle-configs", "2,1,3", "--output-dir", str(out),
-           "--disable-tqdm", "--server-args", "--num-threads 1 --load-format dummy --max-total-tokens 2048"]
+           "--disable-tqdm", "--rounds", str(rounds),
+           "--server-args", "--num-threads 1 --load-format dummy --max-total-tokens 2048"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "Smoke check: every configuration and concurrency ran" in proc.stdout
 
     reports = proc.stdout.split("Serving Benchmark Result")[1:]
-    assert len(reports) == 4 and all(missing_report_lines(r) == [] for r in reports)
+    assert len(reports) == 4 * rounds and all(missing_report_lines(r) == [] for r in reports)
+    assert proc.stdout.count(": python -m eaglesrv.launch ") == 2  # one start per server, whatever the rounds
     saved = json.loads((out / JSON_NAME).read_text())
-    runs = {(r["config"], r["max_concurrency"]): r for r in saved["runs"]}
-    assert sorted(runs) == [("eagle3 (2,1,3)", 1), ("eagle3 (2,1,3)", 2), ("plain", 1), ("plain", 2)]
+    runs = {(r["config"], r["max_concurrency"], r["round"]): r for r in saved["runs"]}
+    assert sorted(runs) == sorted((config, c, r) for config in ("eagle3 (2,1,3)", "plain") for c in (1, 2)
+                                  for r in range(1, rounds + 1))
     assert all(r["completed"] == 2 and r["total_output_tokens"] == 8 for r in runs.values())
-    assert runs["eagle3 (2,1,3)", 1]["accept_length"] >= 1.0 and runs["plain", 1]["accept_length"] is None
-    assert runs["plain", 2]["output_throughput_vs_plain"] == 1.0
+    assert runs["eagle3 (2,1,3)", 1, 1]["accept_length"] >= 1.0 and runs["plain", 1, 1]["accept_length"] is None
+    assert runs["plain", 2, rounds]["output_throughput_vs_plain"] == 1.0
+    rows = {(r["config"], r["max_concurrency"]): r for r in saved["table"]}
+    assert len(rows) == 4 and all(row["rounds"] == rounds for row in rows.values())
+    assert rows["eagle3 (2,1,3)", 2]["completed"] == 2 * rounds
     assert saved["configs"][1]["server_args"][:2] == ["--tokenizer-path", str(tmp_path / "tokenizer")]
     table = (out / MARKDOWN_NAME).read_text()
     assert table.count("| eagle3 (2,1,3) |") == 2 and table.count("| plain |") == 2
+    assert ("each round" in table) == (rounds > 1)
     assert (out / PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len((out / "runs.jsonl").read_text().splitlines()) == 4
+    assert len((out / "runs.jsonl").read_text().splitlines()) == 4 * rounds
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["eagle3-2-1-3.log", "plain.log"]
