@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from eaglesrv.bench.compare_configs import EagleTree, build_configs
-from eaglesrv.bench.compare_configs import ServerConfig
+from eaglesrv.bench.compare_configs import EagleTree, ServerConfig, build_configs
 from eaglesrv.bench.compare_report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, pool_rounds, write_outputs
 from eaglesrv.bench.compare_run import schedule
 from eaglesrv.bench.server_launcher import ManagedServer

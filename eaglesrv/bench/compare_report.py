@@ -25,9 +25,9 @@ MARKDOWN_NAME, JSON_NAME, PLOT_NAME = "bench_compare.md", "bench_compare.json", 
 RUN_FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_itl_ms", "median_itl_ms")
 
 
-def add_ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Set output_throughput_vs_plain on every run: to plain's run at the same concurrency
-    and round (None where plain has none)."""
+def add_ratios(runs: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+    """Set output_throughput_vs_plain on every run (or pooled row): to plain's at the same
+    concurrency and round (None where plain has none)."""
     plain = {_slot(r): r["output_throughput"] for r in runs if r["config"] == BASELINE}
     for run in runs:
         base = plain.get(_slot(run))
@@ -42,32 +42,28 @@ def _slot(run: dict[str, Any]) -> tuple[int, int]:
 def pool_rounds(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (configuration, concurrency), in first-run order; a configuration run
     once at a concurrency is its own row. Ratios to plain are added to the runs first."""
-    add_ratios(list(runs))
+    add_ratios(runs)
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["config"], run["max_concurrency"]), []).append(run)
     rows = []
     for (config, concurrency), group in groups.items():
         if len(group) == 1:
-            rows.append({**group[0], "rounds": 1})
+            rows.append({**{k: v for k, v in group[0].items() if k != "round"}, "rounds": 1})
             continue
         accepts = [r["accept_length"] for r in group if r.get("accept_length") is not None]
         ratios = [r["output_throughput_vs_plain"] for r in group if r["output_throughput_vs_plain"] is not None]
+        tokens, seconds = sum(r["total_output_tokens"] for r in group), sum(r["duration"] for r in group)
         rows.append({
             "config": config, "max_concurrency": concurrency, "rounds": len(group),
             "completed": sum(r["completed"] for r in group), "failed": sum(r["failed"] for r in group),
-            "total_output_tokens": sum(r["total_output_tokens"] for r in group),
-            "duration": sum(r["duration"] for r in group),
-            "output_throughput": sum(r["total_output_tokens"] for r in group) / sum(r["duration"] for r in group),
+            "total_output_tokens": tokens, "duration": seconds, "output_throughput": tokens / seconds,
             "accept_length": statistics.fmean(accepts) if accepts else None,
             **{f"mean_{m}_ms": statistics.fmean(r[f"mean_{m}_ms"] for r in group) for m in ("ttft", "itl")},
             **{f"median_{m}_ms": statistics.median(r[f"median_{m}_ms"] for r in group) for m in ("ttft", "itl")},
             "vs_plain_each_round": ratios,
         })
-    plain = {r["max_concurrency"]: r["output_throughput"] for r in rows if r["config"] == BASELINE}
-    for row in rows:
-        base = plain.get(row["max_concurrency"])
-        row["output_throughput_vs_plain"] = row["output_throughput"] / base if base else None
+    add_ratios(rows)  # pooled rows have no "round": they pair with plain's pooled row
     return rows
 
 
