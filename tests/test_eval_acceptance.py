@@ -8,7 +8,7 @@ import pytest
 
 import eaglesrv.data.sharegpt as sharegpt_module
 from eagle3_helpers import save_random_head
-from eaglesrv.eval_acceptance import _kept_counts, heldout_prompts, main
+from eaglesrv.eval_acceptance import _kept_counts, evaluation_prompts, heldout_prompts, main, parse_args
 from train_eagle3_helpers import save_tiny_chat_model, write_tiny_sharegpt
 
 
@@ -47,6 +47,18 @@ def test_prompts_come_from_the_held_out_conversations(tmp_path, small_split):
     assert texts[0] == "<|im_start|>user\ntell me about cats<|im_end|>\n<|im_start|>assistant\n"  # conversation 40
     with pytest.raises(ValueError, match="only 8 held-out prompts"):
         heldout_prompts(tokenizer, 9, 1024, str(tmp_path / "sharegpt.json"))
+
+
+def test_validation_prompts_are_the_training_splits_last(tmp_path, small_split):
+    from transformers import AutoTokenizer
+
+    model = save_tiny_chat_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    data = write_tiny_sharegpt(tmp_path / "sharegpt.json")
+    args = parse_args(["--draft-model-path", "x", "--data-path", data, "--validation-conversations", "3"])
+    texts = [tokenizer.decode(p) for p in evaluation_prompts(args, tokenizer)]
+    # conversations 37, 38, 39 of the 40 training ones: what train_eagle3 --val-conversations 3 scores
+    assert [t.split("about ")[1].split("<")[0] for t in texts] == ["stars", "owls", "salt"]
 
 
 def test_per_depth_counts_survive_the_rate_snapshot():

@@ -170,6 +170,25 @@ def test_batch_plans_are_seeded_and_bounded():
     assert all(len(batch) * max(lengths[i] for i in batch) <= 256 for batch in plan)
 
 
+def test_every_epoch_runs_to_its_last_batch(tmp_path):
+    class Lengths:  # the part of FeatureCache the trainer's schedule reads
+        def __init__(self, lengths):
+            self.lengths = lengths
+
+        def __len__(self):
+            return len(self.lengths)
+
+        def length(self, i):
+            return self.lengths[i]
+
+    lengths = [int(x) for x in torch.randint(5, 90, (200,), generator=torch.Generator().manual_seed(1))]
+    plans = [len(plan_epoch(lengths, 256, seed=7, epoch=e)) for e in range(4)]
+    assert len(set(plans)) > 1  # epochs batch differently: the first one's count is not every one's
+    config = TrainConfig(output_dir=str(tmp_path), max_seq_len=8, batch_tokens=256, epochs=4, seed=7)
+    trainer = trainer_module.Trainer(_small_head(), torch.zeros(20, 32), Lengths(lengths), config, "", torch.device("cpu"))
+    assert trainer.total_steps == sum(plans)
+
+
 # ---- the CLI end to end ------------------------------------------------------------------
 def test_training_lowers_the_loss_and_writes_a_published_head(trained):
     out, metadata, log = trained

@@ -45,6 +45,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                       help="conversations regenerated together")
     data.add_argument("--distill-max-new-tokens", type=int, default=None,
                       help="cap on each regenerated reply (default: what --max-seq-len leaves)")
+    data.add_argument("--distill-extra-samples", type=int, default=DEFAULTS.distill_extra_samples,
+                      help="N more replies per conversation, sampled, each its own training sequence "
+                           "(more of the target's own contexts from the same prompts)")
+    data.add_argument("--distill-extra-temperature", type=float, default=DEFAULTS.distill_extra_temperature,
+                      help="sampling temperature of the extra replies")
+    data.add_argument("--val-conversations", type=int, default=DEFAULTS.val_conversations,
+                      help="hold back the training split's last N conversations and report the head's greedy "
+                           "chain accept length on them before training and after each epoch")
     head = p.add_argument_group("head")
     head.add_argument("--draft-vocab-size", type=int, default=DEFAULTS.draft_vocab_size,
                       help="target tokens the head can propose, the most frequent in replies")

@@ -28,6 +28,9 @@ class TrainConfig:
     distill_temperature: float = 0.0  # 0: greedy replies
     distill_batch_size: int = 32  # conversations generated together
     distill_max_new_tokens: int | None = None  # cap per regenerated reply; None: what max_seq_len leaves
+    distill_extra_samples: int = 0  # more replies per conversation, sampled: more of the target's contexts
+    distill_extra_temperature: float = 0.8
+    val_conversations: int = 0  # the training split's last N, never trained on: greedy chain acceptance per epoch
     # draft head
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
@@ -67,6 +70,10 @@ class TrainConfig:
             (self.num_conversations is None or self.num_conversations >= 1, "--num-conversations must be >= 1"),
             (self.conversation_offset >= 0, "--conversation-offset must be >= 0"),
             (self.max_turns is None or self.max_turns >= 1, "--max-turns must be >= 1"),
+            (self.distill_extra_samples >= 0, "--distill-extra-samples must be >= 0"),
+            (self.distill_extra_samples == 0 or self.self_distill, "--distill-extra-samples needs --self-distill"),
+            (self.distill_extra_temperature > 0, "--distill-extra-temperature must be > 0"),
+            (self.val_conversations >= 0, "--val-conversations must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -90,19 +97,37 @@ class TrainConfig:
         chosen = {name: getattr(self, name) for name in fields}
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
-    def distill_fingerprint(self) -> str:
-        """The key of the self-distillation cache, whose entries are whole conversations by
-        their index in the file: runs over any slice of the data share it. The seed enters
-        only when replies are sampled: a greedy run under a new seed reuses them."""
-        fields = [name for name in DATA_FIELDS if name not in ("num_conversations", "conversation_offset")]
+    def distill_fingerprint(self, sample: int = 0) -> str:
+        """The key of the self-distillation cache of reply set `sample` (0: the replies at
+        --distill-temperature; 1 ..: the extra sampled ones), whose entries are whole
+        conversations by their index in the file: runs over any slice of the data share it.
+        The seed enters only when replies are sampled: a greedy run under a new seed reuses them."""
+        if sample > 0:  # these replies do not depend on the first set's temperature
+            fields = [name for name in DISTILL_FIELDS if name != "distill_temperature"]
+            return self.fingerprint(*fields, "distill_extra_temperature") + f"-s{sample}"
         if self.self_distill and self.distill_temperature > 0:
-            return self.fingerprint(*fields)
-        return dataclasses.replace(self, seed=0).fingerprint(*fields)
+            return self.fingerprint(*DISTILL_FIELDS)
+        return dataclasses.replace(self, seed=0).fingerprint(*DISTILL_FIELDS)
+
+    def sample_seed(self, sample: int) -> int:
+        """The seed reply set `sample` is drawn under (set 0: --seed itself)."""
+        if sample == 0:
+            return self.seed
+        return int(hashlib.sha256(f"{self.seed}/{sample}".encode()).hexdigest()[:8], 16)
+
+    def greedy_distill(self) -> TrainConfig:
+        """These settings with greedy self-distillation: the validation replies' (they mirror
+        temperature-0 serving whatever the training data is), sharing a greedy run's cache."""
+        return dataclasses.replace(self, self_distill=True, distill_temperature=0.0)
 
 
 # Settings that decide the training sequences (and so every cache built from them).
 DATA_FIELDS = ("model_path", "data_path", "num_conversations", "conversation_offset", "max_seq_len", "max_turns",
-               "self_distill", "distill_temperature", "distill_max_new_tokens", "seed")
+               "self_distill", "distill_temperature", "distill_max_new_tokens", "seed",
+               "distill_extra_samples", "distill_extra_temperature", "val_conversations")
+# Those that decide one conversation's regenerated replies (the distillation caches' key).
+DISTILL_FIELDS = ("model_path", "data_path", "max_seq_len", "max_turns", "self_distill", "distill_temperature",
+                  "distill_max_new_tokens", "seed")
 # Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
 RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
                             "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "amp")

@@ -30,20 +30,36 @@ class TrainingSequence:
     loss_mask: list[bool]  # True where the token belongs to an assistant reply
 
 
-def training_conversations(num: int | None, path: str | Path | None = None, offset: int = 0) -> list[Conversation]:
-    """Usable conversations [offset, offset + num) in file order, never past the training split."""
+def training_conversations(
+    num: int | None, path: str | Path | None = None, offset: int = 0, reserved: int = 0
+) -> list[Conversation]:
+    """Usable conversations [offset, offset + num) in file order, never past the training
+    split, nor into its last `reserved` (the validation conversations)."""
     usable = usable_conversations(path)
     split = training_split(path)
-    end = len(split) if num is None else offset + num
+    limit = len(split) - reserved
+    end = limit if num is None else offset + num
     if end > TRAINING_CONVERSATIONS:
         raise ValueError(f"conversations [{offset}, {end}) cross into the held-out ones: only the first "
                          f"{TRAINING_CONVERSATIONS} may be trained on")
+    if reserved and end > limit:
+        raise ValueError(f"conversations [{offset}, {end}) overlap the {reserved} validation conversations "
+                         f"[{limit}, {len(split)}): lower --num-conversations or --val-conversations")
     chosen = split[offset:end]
     # The held-out rule, checked here rather than trusted: a slice of the usable list that
     # ends within the first TRAINING_CONVERSATIONS.
-    assert offset + len(chosen) <= TRAINING_CONVERSATIONS, "training data crosses into the held-out conversations"
+    assert offset + len(chosen) <= TRAINING_CONVERSATIONS, "training data crosses into the held-out ones"
     assert all(a == b for a, b in zip(chosen, usable[offset:])), "training data is not the usable conversations"
     return chosen
+
+
+def validation_conversations(count: int, path: str | Path | None = None) -> tuple[int, list[Conversation]]:
+    """(index of the first, conversations): the training split's last `count`, which a run
+    validating on them does not train on. Never held-out ones: those are for evaluation."""
+    split = training_split(path)
+    if count > len(split):
+        raise ValueError(f"--val-conversations {count}: the training split has only {len(split)}")
+    return len(split) - count, split[len(split) - count:]
 
 
 def conversation_messages(conversations: Iterable[Conversation], max_turns: int | None = None) -> list[Messages]:

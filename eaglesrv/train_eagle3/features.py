@@ -63,8 +63,8 @@ def _packs(sequences: Sequence[TrainingSequence], batch_tokens: int) -> Iterator
 @torch.inference_mode()
 def target_pass(
     engine: Engine, sequences: Sequence[TrainingSequence], capture_layers: tuple[int, ...], covered: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One packed forward: (aux [N, 3H], hidden [N, H], valid [N]) on the CPU, N = all tokens."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One packed forward: (aux [N, 3H], hidden [N, H], valid [N], top [N]) on the CPU, N = all tokens."""
     device = engine.device
     page_size = engine.kv.page_size
     tables = [engine.scheduler.pages.allocate(-(-len(s.token_ids) // page_size)) for s in sequences]
@@ -81,11 +81,11 @@ def target_pass(
     # valid[t]: token t + 1 is reply text (and exists) and the target's argmax is nameable.
     wanted = torch.tensor([m for s in sequences for m in s.loss_mask[1:] + [False]])
     rows = wanted.nonzero().squeeze(1)
-    valid = torch.zeros(len(ids), dtype=torch.bool)
+    top = torch.full((len(ids),), -1, dtype=torch.int32)
     for chunk in rows.split(LOGIT_ROWS):
-        top = engine.model.compute_logits(hidden[chunk.to(device)]).argmax(-1).cpu()
-        valid[chunk] = covered[top]
-    return aux.to(STORE_DTYPE).cpu(), hidden.to(STORE_DTYPE).cpu(), valid
+        top[chunk] = engine.model.compute_logits(hidden[chunk.to(device)]).argmax(-1).cpu().int()
+    valid = (top >= 0) & covered[top.clamp(min=0).long()]
+    return aux.to(STORE_DTYPE).cpu(), hidden.to(STORE_DTYPE).cpu(), valid, top
 
 
 def extract_features(
@@ -110,18 +110,19 @@ def extract_features(
     done_tokens = sum(len(s.token_ids) for s in sequences[:start])
     bar = tqdm(total=total_tokens, initial=done_tokens, desc="target features", unit="tok",
                unit_scale=True, disable=not progress)
-    buffer: list[tuple[TrainingSequence, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    buffer: list[tuple[TrainingSequence, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     buffered_tokens = 0
     for pack in _packs(sequences[start:], batch_tokens):
         batch = [sequences[start + i] for i in pack]
         began = time.monotonic()
-        aux, hidden, valid = target_pass(engine, batch, capture_layers, covered)
+        aux, hidden, valid, top = target_pass(engine, batch, capture_layers, covered)
         stats.seconds += time.monotonic() - began
         stats.tokens += len(valid)
         offset = 0
         for sequence in batch:
             n = len(sequence.token_ids)
-            buffer.append((sequence, aux[offset : offset + n], hidden[offset : offset + n], valid[offset : offset + n]))
+            rows = slice(offset, offset + n)
+            buffer.append((sequence, aux[rows], hidden[rows], valid[rows], top[rows]))
             offset += n
         buffered_tokens += len(valid)
         bar.update(len(valid))
@@ -144,6 +145,7 @@ def _write_shard(directory: Path, manifest: dict, buffer: list) -> None:
         "aux": torch.cat([item[1] for item in buffer]),
         "hidden": torch.cat([item[2] for item in buffer]),
         "valid": torch.cat([item[3] for item in buffer]),
+        "top": torch.cat([item[4] for item in buffer]),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
     }
     temporary = directory / (name + ".tmp")
@@ -192,4 +194,5 @@ class FeatureCache:
     def get(self, i: int) -> dict[str, torch.Tensor]:
         shard_id, start, end = self.index[i]
         shard = self.shards[shard_id]
-        return {name: shard[name][start:end] for name in ("input_ids", "aux", "hidden", "valid")}
+        # "top" is absent from caches written before it was stored; only validation reads it
+        return {name: shard[name][start:end] for name in ("input_ids", "aux", "hidden", "valid", "top") if name in shard}

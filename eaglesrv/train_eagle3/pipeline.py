@@ -1,8 +1,11 @@
 """One training run, start to finish:
 
-    target ──> training conversations (first 8,000 only) ──> [self-distillation]
-           ──> chat template + reply mask ──> draft vocabulary ──> target features (cached)
-           ──> training-time-test training (checkpointed) ──> head + TRAINING.json
+    target ──> training conversations (first 8,000 only) ──> [self-distillation: one reply
+           set, plus --distill-extra-samples sampled ones] ──> chat template + reply mask
+           ──> draft vocabulary ──> target features (cached)
+           ──> training-time-test training (checkpointed; with --val-conversations N, the
+               head is validated before and after each epoch on the split's last N)
+           ──> head + TRAINING.json
 
 Everything under the work directory is a cache named by the settings it depends on, and
 the checkpoint resumes training, so an interrupted run started again with --resume redoes
@@ -32,11 +35,13 @@ from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, sav
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import (
-    conversation_messages, data_summary, encode_all, sequences_digest, training_conversations,
+    Messages, TrainingSequence, conversation_messages, data_summary, encode_all, sequences_digest,
+    training_conversations, validation_conversations,
 )
 from eaglesrv.train_eagle3.distill import regenerate
 from eaglesrv.train_eagle3.features import FeatureCache, extract_features
 from eaglesrv.train_eagle3.trainer import Trainer
+from eaglesrv.train_eagle3.validate import chain_acceptance
 from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab, vocab_of
 
 logger = logging.getLogger(__name__)
@@ -129,22 +134,7 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
 
     engine = load_target(config)
     times["load_target_s"] = time.monotonic() - started
-    conversations = conversation_messages(
-        training_conversations(config.num_conversations, config.data_path, config.conversation_offset),
-        config.max_turns)
-    indices = range(config.conversation_offset, config.conversation_offset + len(conversations))  # in the file
-    if config.self_distill:
-        began = time.monotonic()
-        distill_key = config.distill_fingerprint()
-        conversations = regenerate(
-            engine, conversations, indices, work / f"distill-{distill_key}.jsonl",
-            distill_key, config.max_seq_len,
-            config.distill_temperature, config.seed, config.distill_batch_size, config.distill_max_new_tokens,
-            config.progress)
-        times["self_distill_s"] = time.monotonic() - began
-    sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
-    if not sequences:
-        raise ValueError("no training sequence has reply tokens; check --num-conversations and --max-seq-len")
+    indices, sequences = training_sequences(engine, config, times)
     parent = load_parent(config.init_from, engine) if config.init_from else None
     if parent is not None:  # a head trained further keeps the vocabulary its lm_head was trained for
         vocab = vocab_of(parent.draft_to_target.cpu(), sequences)
@@ -162,6 +152,10 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
         engine, sequences, features_dir, feature_key, capture, vocab.target_mask(engine.arch.vocab_size),
         config.batch_tokens, progress=config.progress)
     times["features_s"] = time.monotonic() - began
+    began = time.monotonic()
+    validation = validation_features(engine, config, capture)
+    if validation is not None:
+        times["validation_data_s"] = time.monotonic() - began
 
     device = engine.device
     draft = new_head(hf_config, engine, vocab, config.seed, config.lm_head_init)
@@ -174,8 +168,10 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     gc.collect()
 
     began = time.monotonic()
+    validate = None if validation is None else (
+        lambda head: chain_acceptance(head, validation, config.ttt_steps, config.batch_tokens, device))
     trainer = Trainer(draft, target_rows, FeatureCache(features_dir), config,
-                      config.fingerprint(*RUN_FIELDS) + feature_key, device)
+                      config.fingerprint(*RUN_FIELDS) + feature_key, device, validate)
     summary = trainer.train()
     times["train_s"] = time.monotonic() - began
     write_head(draft.cpu(), hf_config, config.output_dir, config.save_dtype)
@@ -185,6 +181,56 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     metadata.update(lineage(config.init_from))
     (Path(config.output_dir) / METADATA_NAME).write_text(json.dumps(metadata, indent=2))
     return metadata
+
+
+def training_sequences(engine: Engine, config: TrainConfig, times: dict[str, float]) -> tuple[range, list[TrainingSequence]]:
+    """The conversations' indices in the file, and their training sequences: as written, or
+    with the target's replies (one set, plus --distill-extra-samples sampled sets)."""
+    conversations = conversation_messages(
+        training_conversations(config.num_conversations, config.data_path, config.conversation_offset,
+                               reserved=config.val_conversations),
+        config.max_turns)
+    indices = range(config.conversation_offset, config.conversation_offset + len(conversations))
+    if config.self_distill:
+        began = time.monotonic()
+        reply_sets = [distill(engine, config, conversations, indices, sample)
+                      for sample in range(1 + config.distill_extra_samples)]
+        conversations = [messages for replies in reply_sets for messages in replies]
+        times["self_distill_s"] = time.monotonic() - began
+    sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
+    if not sequences:
+        raise ValueError("no training sequence has reply tokens; check --num-conversations and --max-seq-len")
+    return indices, sequences
+
+
+def distill(engine: Engine, config: TrainConfig, conversations: list[Messages], indices: range,
+            sample: int = 0) -> list[Messages]:
+    """Reply set `sample` of the conversations (0: at --distill-temperature; then the extra
+    sampled sets), each cached in its own file."""
+    key = config.distill_fingerprint(sample)
+    temperature = config.distill_temperature if sample == 0 else config.distill_extra_temperature
+    return regenerate(engine, conversations, indices, config.work_path / f"distill-{key}.jsonl", key,
+                      config.max_seq_len, temperature, config.sample_seed(sample), config.distill_batch_size,
+                      config.distill_max_new_tokens, config.progress)
+
+
+def validation_features(engine: Engine, config: TrainConfig, capture: tuple[int, ...]) -> FeatureCache | None:
+    """Target features of the validation conversations with greedy replies (see validate.py),
+    cached apart from any vocabulary: every reply position is kept."""
+    if not config.val_conversations:
+        return None
+    first, conversations = validation_conversations(config.val_conversations, config.data_path)
+    messages = conversation_messages(conversations, config.max_turns)
+    messages = distill(engine, config.greedy_distill(), messages, range(first, first + len(messages)))
+    sequences = encode_all(engine.tokenizer, messages, config.max_seq_len)
+    if not sequences:
+        raise ValueError("no validation sequence has reply tokens; raise --val-conversations")
+    key = _digest(["validation", sequences_digest(sequences), config.target_dtype, config.model_path, list(capture)])
+    directory = config.work_path / f"val-features-{key}"
+    every_token = torch.ones(engine.arch.vocab_size, dtype=torch.bool)
+    extract_features(engine, sequences, directory, key, capture, every_token, config.batch_tokens,
+                     progress=config.progress)
+    return FeatureCache(directory)
 
 
 def lineage(init_from: str | None) -> dict[str, Any]:
@@ -211,8 +257,13 @@ def _metadata(config, argv, indices, sequences, vocab, capture, extraction, summ
             "conversations": f"usable conversations [{indices.start}, {indices.stop}) "
                              f"in file order (held-out rule: only the first {TRAINING_CONVERSATIONS})",
             "self_distill": config.self_distill,
+            "reply_sets": 1 + config.distill_extra_samples if config.self_distill else 1,
             **data_summary(sequences),
         },
+        "validation": {
+            "conversations": f"the training split's last {config.val_conversations}, not trained on, greedy replies",
+            "by_epoch": summary.validation,
+        } if config.val_conversations else None,
         "draft_vocab": {"size": vocab.size, "reply_token_coverage": round(vocab.coverage, 4)},
         "target_capture_layers": list(capture),
         "times_s": {k: round(v, 1) for k, v in times.items()},

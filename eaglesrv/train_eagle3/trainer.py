@@ -4,16 +4,21 @@ Every epoch's batches are a pure function of (seed, epoch): sequences are shuffl
 by length inside windows of WINDOW sequences (little padding), cut into batches of at most
 batch_tokens padded tokens, and the batches shuffled. A checkpoint therefore only needs
 (epoch, batch) to continue the data stream exactly.
+
+With a validation callback (validate.py), the head is scored before training and after
+every epoch; the figures go to the log, the summary and train_state/validation.jsonl.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +31,9 @@ from eaglesrv.train_eagle3.ttt import ttt_loss
 
 WINDOW = 64  # sequences sorted by length together when forming batches
 LOG_NAME = "train_log.jsonl"
+VALIDATION_NAME = "validation.jsonl"
+
+logger = logging.getLogger(__name__)
 
 
 def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
@@ -80,6 +88,7 @@ class TrainSummary:
     seconds: float = 0.0
     tokens: int = 0  # sequence tokens run through the unroll (padding excluded)
     history: list[dict] = field(default_factory=list)  # one record per optimizer step
+    validation: list[dict] = field(default_factory=list)  # before training and after each epoch
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,13 +104,16 @@ class Trainer:
         config: TrainConfig,
         fingerprint: str,
         device: torch.device,
+        validate: Callable[[Eagle3DraftModel], dict] | None = None,  # the head's figures on unseen data
     ) -> None:
         self.draft, self.cache, self.config, self.device = draft, cache, config, device
+        self.validate = validate
         self.target_rows = target_rows.to(device=device, dtype=torch.float32)
         self.fingerprint = fingerprint
         self.lengths = [cache.length(i) for i in range(len(cache))]
-        self.batches_per_epoch = len(plan_epoch(self.lengths, config.batch_tokens, config.seed, 0))
-        total = self.batches_per_epoch * config.epochs
+        # Epochs batch differently (each shuffles anew), so each one's plan is counted.
+        total = sum(len(plan_epoch(self.lengths, config.batch_tokens, config.seed, epoch))
+                    for epoch in range(config.epochs))
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
         params = [p for p in draft.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
@@ -127,7 +139,9 @@ class Trainer:
             position, kept = load_checkpoint(checkpoint, self.draft, self.optimizer, self.scheduler, self.fingerprint)
             history = [json.loads(line) for line in log_path.read_text().splitlines()[:kept]]
         self._write_log(log_path, history)
-        summary = TrainSummary(history=history)
+        summary = TrainSummary(history=history, validation=self._kept_validations(position, checkpoint.exists()))
+        if position.step == 0 and not summary.validation:
+            self._validate(0, summary)
         bar = tqdm(total=self.total_steps, initial=position.step, desc="train", unit="step",
                    disable=not self.config.progress)
         self.draft.train()
@@ -150,7 +164,10 @@ class Trainer:
             if position.batch >= len(plan):
                 position.epoch += 1
                 position.batch = 0
+                self._validate(position.epoch, summary)
         bar.close()
+        if self.validate and summary.validation and summary.validation[-1]["step"] != len(history):
+            self._validate(position.epoch, summary)  # stopped by --max-steps inside an epoch
         self._save(checkpoint, position, len(history))
         self.draft.eval()
         return summary
@@ -186,6 +203,26 @@ class Trainer:
             "tokens": sum(self.lengths[i] for i in indices),
             "seconds": time.monotonic() - began,
         }
+
+    def _validate(self, epochs: int, summary: TrainSummary) -> None:
+        if self.validate is None:
+            return
+        record = {"epochs": epochs, "step": len(summary.history), **self.validate(self.draft)}
+        summary.validation.append(record)
+        with (self.state_dir / VALIDATION_NAME).open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("validation after %d epoch(s): chain accept length %s for 1..%d steps, acceptance by depth %s",
+                    epochs, record["accept_length_by_steps"], len(record["accept_length_by_steps"]),
+                    record["acceptance_by_depth"])
+
+    def _kept_validations(self, position: Position, resumed: bool) -> list[dict]:
+        """On resume, the validations of heads up to the checkpoint's (later ones are redone);
+        the file is rewritten."""
+        path = self.state_dir / VALIDATION_NAME
+        records = [json.loads(line) for line in path.read_text().splitlines()] if resumed and path.exists() else []
+        kept = [r for r in records if r["step"] <= position.step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
 
     def _save(self, path: Path, position: Position, history_len: int) -> None:
         save_checkpoint(path, self.draft, self.optimizer, self.scheduler, position, self.fingerprint, history_len)

@@ -1,0 +1,113 @@
+"""Validation: the chain accept length a head would reach at temperature 0, read off
+target features of conversations it is not trained on.
+
+Training accuracy misleads twice: a later epoch partly memorizes, and it is counted over
+positions whose target token the draft vocabulary can name. Here every reply position
+counts, and a hit means what greedy verification accepts: the draft's top token, mapped
+to the target's vocabulary, equals the target's own top token (features.py's `top`).
+
+The replies are the target's greedy ones, so the token the data holds after position t
+is the one the target would commit: the unroll fed with the data's tokens is the chain
+the engine would draft after accepting them. Root i (the last committed token is i + 1)
+accepts k_i drafted tokens, the leading hits of steps 0, 1, ...; step j at root i is
+scored against top[i + 1 + j] (ttt.py's indexing). A chain of s steps then yields
+1 + min(k_i, s) tokens per verification, averaged over roots whose S steps are all reply
+text. A tree drafts more candidates per depth, so it accepts at least this much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
+from eaglesrv.train_eagle3.features import FeatureCache
+from eaglesrv.train_eagle3.ttt import draft_logits, shift_left, unroll
+
+
+def _batches(cache: FeatureCache, batch_tokens: int) -> list[list[int]]:
+    """Sequences in length order, at most batch_tokens padded tokens per batch."""
+    order = sorted(range(len(cache)), key=cache.length)
+    batches: list[list[int]] = []
+    for index in order:
+        if batches and (len(batches[-1]) + 1) * cache.length(index) <= batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+def _padded(rows: list[torch.Tensor], fill: float | int | bool) -> torch.Tensor:
+    out = rows[0].new_full((len(rows), max(len(r) for r in rows)) + tuple(rows[0].shape[1:]), fill)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = row
+    return out
+
+
+@torch.no_grad()
+def chain_acceptance(
+    draft: Eagle3DraftModel,
+    cache: FeatureCache,  # validation features, written with every reply position valid
+    steps: int,
+    batch_tokens: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict:
+    """Accept length of chains of 1 .. `steps` drafted tokens, and acceptance by depth."""
+    was_training = draft.training
+    draft.eval()
+    draft_to_target = draft.draft_to_target.to(device)
+    walks: dict[int, list[int]] = {chain: [] for chain in range(1, steps + 1)}
+    for indices in _batches(cache, batch_tokens):
+        items = [cache.get(i) for i in indices]
+        ids = _padded([item["input_ids"] for item in items], 0).long().to(device)
+        aux = _padded([item["aux"] for item in items], 0).float().to(device)
+        top = _padded([item["top"] for item in items], -1).long().to(device)  # [B, T]
+        leading = torch.ones_like(top, dtype=torch.bool)  # every step so far hit, root by root
+        scored = torch.ones_like(leading)
+        accepted = torch.zeros_like(top)
+        with autocast():
+            for step, hidden in enumerate(unroll(draft, ids, aux, steps)):
+                guess = draft_to_target[draft_logits(draft, hidden).argmax(-1)]  # [B, T] target ids
+                wanted = shift_left(top, 1 + step, -1)
+                scored &= wanted >= 0
+                leading &= guess == wanted
+                accepted += leading.long()
+        for row_accepted, row_scored in zip(accepted.tolist(), scored.tolist()):
+            for chain, found in walks.items():
+                found.extend(decoding_walk(row_accepted, row_scored, chain))
+    if was_training:
+        draft.train()
+    return summarize(walks)
+
+
+def decoding_walk(accepted: list[int], scored: list[bool], chain: int) -> list[int]:
+    """Tokens accepted at each root greedy decoding with a `chain`-token draft verifies: a
+    verification at root i commits k + 1 tokens, so the next one is at root i + k + 1.
+    Unscored roots (prompt, reply ends) are stepped over one by one."""
+    found, root = [], 0
+    while root < len(accepted):
+        if not scored[root]:
+            root += 1
+            continue
+        k = min(accepted[root], chain)
+        found.append(k)
+        root += k + 1
+    return found
+
+
+def summarize(walks: dict[int, list[int]]) -> dict:
+    """Accept length per chain length (1 + mean tokens accepted per verification), and the
+    longest chain's acceptance by depth (of verifications reaching depth d, the share that
+    accept its token)."""
+    steps = max(walks)
+    longest = walks[steps]
+    reached = [sum(k >= d for k in longest) for d in range(steps + 1)]
+    return {
+        "verifications": len(longest),
+        "accept_length_by_steps": [round(1 + sum(walks[c]) / len(walks[c]), 4) if walks[c] else None
+                                   for c in range(1, steps + 1)],
+        "acceptance_by_depth": [round(reached[d + 1] / reached[d], 4) if reached[d] else None for d in range(steps)],
+    }
