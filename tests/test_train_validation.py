@@ -84,8 +84,8 @@ def test_validation_counts_what_the_engines_greedy_chain_accepts():
             top = torch.cat([tokens[1:], torch.tensor([-1])]).int()  # greedy data: the next token is the top one
             top[0] = -1  # the prompt: not reply text
             items.append({"input_ids": tokens.int(), "aux": aux, "top": top})
-        # The oracle: greedy decoding's verifications, each drafted as the engine does, over
-        # the roots whose STEPS tokens are reply text.
+        # The oracle: greedy decoding's verifications, each drafted as the engine does, at the
+        # roots whose own token and STEPS next ones are reply text.
         walks = {chain: [] for chain in range(1, STEPS + 1)}
         for item in items:
             tokens, aux, top = item["input_ids"].long(), item["aux"], item["top"].tolist()
@@ -93,7 +93,7 @@ def test_validation_counts_what_the_engines_greedy_chain_accepts():
                 root = 0
                 while root < len(tokens):
                     wanted = top[root + 1 : root + 1 + STEPS]
-                    if len(wanted) < STEPS or min(wanted) < 0:
+                    if top[root] < 0 or len(wanted) < STEPS or min(wanted) < 0:  # token root + 1 is decoded
                         root += 1
                         continue
                     hits = [g == w for g, w in zip(_greedy_chain(draft, tokens, aux, root), wanted[:chain])]
@@ -152,3 +152,47 @@ def test_resume_keeps_the_validation_record(chat_model, sharegpt, tmp_path, monk
         validated_run(tmp_path / "cut")
     monkeypatch.setattr(trainer_module.Trainer, "_step", original_step)
     assert validated_run(tmp_path / "cut", "--resume") == whole
+
+
+def test_validation_walk_is_what_the_engine_serves(chat_model, sharegpt, tmp_path, monkeypatch):  # noqa: F811
+    """Features of the engine's own greedy replies, walked as decoding would, accept at each
+    verification what the engine's EAGLE-3 steps accepted (chain of STEPS, float32)."""
+    from eagle3_helpers import spec_config
+    from conftest import engine_config
+    from eaglesrv.engine.eagle3.head_io import load_draft_head
+    from eaglesrv.engine.llm_engine import Engine
+    from eaglesrv.sampling_params import SamplingParams
+    from eaglesrv.train_eagle3.data import TrainingSequence, prompt_ids
+    from eaglesrv.train_eagle3 import features as features_module
+    from eaglesrv.train_eagle3.features import FeatureCache, extract_features
+    from eaglesrv.train_eagle3.validate import decoding_walks
+
+    head_dir = tmp_path / "head"
+    main(train_argv(chat_model, sharegpt, head_dir, "--self-distill", "--max-turns", "1"))
+    served = Engine(spec_config(chat_model, str(head_dir), STEPS, 1, STEPS + 1))
+    sequences, verified = [], []
+    for topic in ("cats", "tea", "owls", "maps"):
+        prompt = prompt_ids(served.tokenizer, [{"role": "user", "content": f"tell me about {topic}"}])
+        served.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        reply, steps = [], []
+        while served.has_unfinished:
+            for out in served.step():
+                reply += out.new_token_ids
+                steps.append(len(out.new_token_ids) - 1)  # tokens the verification accepted
+        sequences.append(TrainingSequence(prompt + reply, [False] * len(prompt) + [True] * len(reply)))
+        verified.append(steps[1:])  # the first step is the prefill's token
+    # The target's token ids as they are: no text round trip (this random byte model's bytes
+    # are rarely valid UTF-8, so decoded text does not re-encode to the same ids).
+    target = Engine(engine_config(chat_model))
+    monkeypatch.setattr(features_module, "STORE_DTYPE", torch.float32)  # the engine's own precision
+    capture = served.runner.capture_layers
+    every_token = torch.ones(target.arch.vocab_size, dtype=torch.bool)
+    extract_features(target, sequences, tmp_path / "features", "served", capture, every_token, 1024, progress=False)
+    head = load_draft_head(str(head_dir), target.arch, target.model.model.embed_tokens.weight.detach(),
+                           torch.float32, torch.device("cpu"))
+    walks = decoding_walks(head, FeatureCache(tmp_path / "features"), STEPS, 1024, torch.device("cpu"))[STEPS]
+    assert sum(sum(w) for w in walks) > 0  # the head accepts something, so the comparison bites
+    for walk, steps in zip(walks, verified):
+        # The walk stops STEPS roots before the reply ends, where the engine's last verifications
+        # are cut by max_tokens.
+        assert 0 < len(walk) <= len(steps) and walk == steps[: len(walk)]
