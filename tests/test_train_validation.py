@@ -83,7 +83,8 @@ def test_validation_counts_what_the_engines_greedy_chain_accepts():
                 tokens[root + 2 + wrong_at] = (chain[wrong_at] + 1) % 50
             top = torch.cat([tokens[1:], torch.tensor([-1])]).int()  # greedy data: the next token is the top one
             top[0] = -1  # the prompt: not reply text
-            items.append({"input_ids": tokens.int(), "aux": aux, "top": top})
+            items.append({"input_ids": tokens.int(), "aux": aux, "hidden": torch.zeros(length, 32), "valid": top >= 0,
+                          "top": top})
         # The oracle: greedy decoding's verifications, each drafted as the engine does, at the
         # roots whose own token and STEPS next ones are reply text.
         walks = {chain: [] for chain in range(1, STEPS + 1)}

@@ -121,13 +121,12 @@ class TrainConfig:
         return dataclasses.replace(self, self_distill=True, distill_temperature=0.0)
 
 
-# Settings that decide the training sequences (and so every cache built from them).
-DATA_FIELDS = ("model_path", "data_path", "num_conversations", "conversation_offset", "max_seq_len", "max_turns",
-               "self_distill", "distill_temperature", "distill_max_new_tokens", "seed",
-               "distill_extra_samples", "distill_extra_temperature", "val_conversations")
-# Those that decide one conversation's regenerated replies (the distillation caches' key).
+# Settings that decide one conversation's regenerated replies (the distillation caches' key).
 DISTILL_FIELDS = ("model_path", "data_path", "max_seq_len", "max_turns", "self_distill", "distill_temperature",
                   "distill_max_new_tokens", "seed")
+# Settings that decide the training sequences (and so every cache built from them).
+DATA_FIELDS = DISTILL_FIELDS + ("num_conversations", "conversation_offset", "distill_extra_samples",
+                                "distill_extra_temperature", "val_conversations")
 # Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
 RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
                             "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "amp")

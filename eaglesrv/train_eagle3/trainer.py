@@ -56,20 +56,24 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> 
 
 
 def collate(cache: FeatureCache, indices: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors; padding is never valid and only later positions see it."""
+    """Right-padded batch tensors; padding is never valid and only later positions see it.
+    "top" (where the cache has it) is padded with -1: no token."""
     items = [cache.get(i) for i in indices]
     length = max(len(item["input_ids"]) for item in items)
 
-    def pad(name: str) -> torch.Tensor:
+    def pad(name: str, fill: int = 0) -> torch.Tensor:
         rows = [item[name] for item in items]
-        out = rows[0].new_zeros((len(rows), length) + tuple(rows[0].shape[1:]))
+        out = rows[0].new_full((len(rows), length) + tuple(rows[0].shape[1:]), fill)
         for b, row in enumerate(rows):
             out[b, : len(row)] = row
         return out.to(device)
 
     # bf16 on disk; float32 here (the head's master weights; autocast takes it down again)
-    return {"input_ids": pad("input_ids").long(), "aux": pad("aux").float(), "hidden": pad("hidden").float(),
-            "valid": pad("valid")}
+    batch = {"input_ids": pad("input_ids").long(), "aux": pad("aux").float(), "hidden": pad("hidden").float(),
+             "valid": pad("valid")}
+    if "top" in items[0]:
+        batch["top"] = pad("top", -1).long()
+    return batch
 
 
 def native_bf16(device: torch.device) -> bool:

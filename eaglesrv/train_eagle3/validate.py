@@ -33,26 +33,8 @@ import torch
 
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.train_eagle3.features import FeatureCache
+from eaglesrv.train_eagle3.trainer import collate, plan_epoch
 from eaglesrv.train_eagle3.ttt import draft_logits, shift_left, unroll
-
-
-def _batches(cache: FeatureCache, batch_tokens: int) -> list[list[int]]:
-    """Sequences in length order, at most batch_tokens padded tokens per batch."""
-    order = sorted(range(len(cache)), key=cache.length)
-    batches: list[list[int]] = []
-    for index in order:
-        if batches and (len(batches[-1]) + 1) * cache.length(index) <= batch_tokens:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
-    return batches
-
-
-def _padded(rows: list[torch.Tensor], fill: float | int | bool) -> torch.Tensor:
-    out = rows[0].new_full((len(rows), max(len(r) for r in rows)) + tuple(rows[0].shape[1:]), fill)
-    for b, row in enumerate(rows):
-        out[b, : len(row)] = row
-    return out
 
 
 def chain_acceptance(
@@ -83,11 +65,10 @@ def decoding_walks(
     draft.eval()
     draft_to_target = draft.draft_to_target.to(device)
     walks: dict[int, list[list[int]]] = {chain: [[] for _ in range(len(cache))] for chain in range(1, steps + 1)}
-    for indices in _batches(cache, batch_tokens):
-        items = [cache.get(i) for i in indices]
-        ids = _padded([item["input_ids"] for item in items], 0).long().to(device)
-        aux = _padded([item["aux"] for item in items], 0).float().to(device)
-        top = _padded([item["top"] for item in items], -1).long().to(device)  # [B, T]
+    lengths = [cache.length(i) for i in range(len(cache))]
+    for indices in plan_epoch(lengths, batch_tokens, seed=0, epoch=0):  # any order: results go by index
+        batch = collate(cache, indices, device)
+        ids, aux, top = batch["input_ids"], batch["aux"], batch["top"]  # top: [B, T]
         leading = torch.ones_like(top, dtype=torch.bool)  # every step so far hit, root by root
         # A root is verified once its own token i + 1 is a decoded one (top[i] set): the
         # first token of a reply comes from the prefill, not from a verification.
