@@ -30,6 +30,22 @@ def test_pieces_fit_and_reassemble(tmp_path):
     assert paths["wheel"].name == "gguf-0-py3-none-any.whl"
 
 
+def test_distilled_replies_travel_into_the_work_dir(tmp_path):
+    here, there = tmp_path / "here", tmp_path / "there"
+    cache = here / device_pack.CACHE_DIR / "distill-abc.jsonl"
+    cache.parent.mkdir(parents=True)
+    cache.write_text('{"fingerprint": "abc"}\n{"index": 0, "messages": []}\n')
+    model, data = b"m" * 700, lzma.compress(b"[]")
+    device_pack.pack(here / "pieces", 600, model, data, ("w.whl", b"w"), device_pack.distilled_caches(here))
+    (here / "pieces").rename(there)  # only the piece folders travel
+    paths = device_pack.unpack(there)
+    assert paths["distill-abc.jsonl"] == there / device_pack.CACHE_DIR / "distill-abc.jsonl"
+    assert paths["distill-abc.jsonl"].read_text() == cache.read_text()
+    paths["distill-abc.jsonl"].write_text("grown there")  # a resumed run appended: unpacking again keeps it
+    device_pack.unpack(there)
+    assert paths["distill-abc.jsonl"].read_text() == "grown there"
+
+
 def test_a_missing_or_damaged_piece_names_the_folder_to_carry_again(tmp_path):
     _, _, folders = _pack(tmp_path)
     (piece,) = folders[1].iterdir()

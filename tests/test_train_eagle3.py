@@ -227,11 +227,11 @@ def test_resume_continues_exactly(chat_model, sharegpt, trained, tmp_path, monke
     original_step = trainer_module.Trainer._step
     calls = {"n": 0}
 
-    def crash_after_ten(self, indices, position):
+    def crash_after_ten(self, indices, batch, position):
         calls["n"] += 1
         if calls["n"] > 10:  # past the checkpoint at step 8: steps 9-10 must be redone
             raise KeyboardInterrupt
-        return original_step(self, indices, position)
+        return original_step(self, indices, batch, position)
 
     monkeypatch.setattr(trainer_module.Trainer, "_step", crash_after_ten)
     with pytest.raises(KeyboardInterrupt):
@@ -246,13 +246,28 @@ def test_resume_continues_exactly(chat_model, sharegpt, trained, tmp_path, monke
     assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
+def test_time_limit_writes_the_head_and_resume_finishes_the_schedule(chat_model, sharegpt, trained, tmp_path):
+    out, metadata, log = trained
+    limited = tmp_path / "limited"
+    stopped = main(train_argv(chat_model, sharegpt, limited, "--time-limit", "0"))  # past it before the first step
+    assert stopped["stopped_by_time_limit"] and stopped["steps"] == 0
+    assert stopped["planned_steps"] == metadata["planned_steps"] == len(log)
+    assert json.loads((limited / "TRAINING.json").read_text())["stopped_by_time_limit"]
+    assert load_file(str(limited / "model.safetensors"))["d2t"].numel() == 192  # a head, as it stood
+    resumed = main(train_argv(chat_model, sharegpt, limited, "--resume"))
+    assert not resumed["stopped_by_time_limit"] and resumed["steps"] == len(log)
+    expected, got = load_file(str(out / "model.safetensors")), load_file(str(limited / "model.safetensors"))
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
 def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, tmp_path, monkeypatch):
     out = tmp_path / "distilled"
     argv = train_argv(chat_model, sharegpt, out, "--self-distill", "--max-steps", "3")
     argv[argv.index("--num-conversations") + 1] = "6"
     argv[argv.index("--max-seq-len") + 1] = "64"
-    main(argv)
+    summary = main(argv + ["--distill-only"])  # the replies only: nothing is trained
     (cache,) = (out / "work").glob("distill-*.jsonl")
+    assert summary["distill_caches"] == [str(cache)] and not (out / "model.safetensors").exists()
     records = [json.loads(line) for line in cache.read_text().splitlines()[1:]]
     assert sorted(r["index"] for r in records) == list(range(6))
     engine = Engine(engine_config(chat_model))
@@ -260,9 +275,14 @@ def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, t
     prompt = engine.tokenizer.apply_chat_template(first[:1], tokenize=False, add_generation_prompt=True)
     ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     reply = engine.generate([ids], SamplingParams(temperature=0, max_tokens=64 - len(ids)))[0]
-    assert first[1] == {"role": "assistant", "content": reply.text}
-    # A run over a slice of those conversations generates nothing: the cache has them by index.
-    monkeypatch.setattr(Engine, "generate", lambda *a, **k: pytest.fail("regenerated a cached conversation"))
+    assert first[1] == {"role": "assistant", "content": reply.text, "token_ids": reply.output_token_ids}
+    # The training sequence is what the target read and wrote, id for id; this random
+    # byte-level model's replies are rarely valid UTF-8, so their text would not give it.
+    assert encode(engine.tokenizer, first, 64).token_ids == ids + reply.output_token_ids
+    # Training, and a run over a slice of those conversations, generate nothing: the cache
+    # has them by index.
+    monkeypatch.setattr(Engine, "add_request", lambda *a, **k: pytest.fail("regenerated a cached conversation"))
+    main(argv)
     argv[argv.index("--num-conversations") + 1] = "3"
     main(argv + ["--conversation-offset", "2", "--output-dir", str(tmp_path / "slice"), "--work-dir", str(out / "work")])
     assert len(cache.read_text().splitlines()) == 1 + 6

@@ -142,11 +142,11 @@ def test_resume_keeps_the_validation_record(chat_model, sharegpt, tmp_path, monk
     original_step = trainer_module.Trainer._step
     calls = {"n": 0}
 
-    def crash_late(self, indices, position):  # after epoch 1's validation, past the checkpoint at step 8
+    def crash_late(self, indices, batch, position):  # after epoch 1's validation, past the checkpoint at step 8
         calls["n"] += 1
         if calls["n"] > 11:
             raise KeyboardInterrupt
-        return original_step(self, indices, position)
+        return original_step(self, indices, batch, position)
 
     monkeypatch.setattr(trainer_module.Trainer, "_step", crash_late)
     with pytest.raises(KeyboardInterrupt):

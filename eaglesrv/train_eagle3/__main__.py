@@ -50,6 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                            "(more of the target's own contexts from the same prompts)")
     data.add_argument("--distill-extra-temperature", type=float, default=DEFAULTS.distill_extra_temperature,
                       help="sampling temperature of the extra replies")
+    data.add_argument("--distill-only", action="store_true",
+                      help="regenerate the replies into --work-dir and stop: a later run (on a GPU, say) reuses them")
     data.add_argument("--val-conversations", type=int, default=DEFAULTS.val_conversations,
                       help="hold back the training split's last N conversations and report the head's greedy "
                            "chain accept length on them before training and after each epoch")
@@ -77,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     opt.add_argument("--checkpoint-every", type=int, default=DEFAULTS.checkpoint_every, help="optimizer steps")
     opt.add_argument("--seed", type=int, default=DEFAULTS.seed)
     opt.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/train_state/checkpoint.pt")
+    opt.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                     help="stop training once the run has taken this long and write the head as it stands "
+                          "(for a machine lent for a fixed time; --resume continues the schedule)")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--device", default=DEFAULTS.device, choices=("auto", "cpu", "cuda"))
     hw.add_argument("--target-dtype", default=DEFAULTS.target_dtype, choices=("auto", "float32", "float16", "bfloat16"))
@@ -91,8 +96,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = parse_args(argv)
     metadata = run(config, argv)
+    if config.distill_only:
+        print(f"replies distilled into {', '.join(metadata['distill_caches'])}; nothing trained")
+        return metadata
     final = metadata["final"]
-    print(f"head written to {config.output_dir}: {metadata['steps']} steps, final loss {final['loss']:.4f}, "
+    stopped = f" of {metadata['planned_steps']} (time limit; --resume continues)" if metadata["stopped_by_time_limit"] else ""
+    loss = "none" if final["loss"] is None else f"{final['loss']:.4f}"
+    print(f"head written to {config.output_dir}: {metadata['steps']} steps{stopped}, final loss {loss}, "
           f"step accuracies {[round(a, 3) for a in final['step_acc']]}")
     return metadata
 

@@ -30,6 +30,7 @@ class TrainConfig:
     distill_max_new_tokens: int | None = None  # cap per regenerated reply; None: what max_seq_len leaves
     distill_extra_samples: int = 0  # more replies per conversation, sampled: more of the target's contexts
     distill_extra_temperature: float = 0.8
+    distill_only: bool = False  # fill the reply caches and stop (prepare data here, train elsewhere)
     val_conversations: int = 0  # the training split's last N, never trained on: greedy chain acceptance per epoch
     # draft head
     draft_vocab_size: int = 8192
@@ -49,6 +50,7 @@ class TrainConfig:
     checkpoint_every: int = 200  # optimizer steps
     seed: int = 0
     resume: bool = False
+    time_limit: float | None = None  # seconds for the whole run: training stops there, the head is written as it is
     # hardware
     device: str = "auto"  # auto | cpu | cuda
     target_dtype: str = "auto"  # the frozen target's compute dtype (engine semantics)
@@ -74,6 +76,8 @@ class TrainConfig:
             (self.distill_extra_samples == 0 or self.self_distill, "--distill-extra-samples needs --self-distill"),
             (self.distill_extra_temperature > 0, "--distill-extra-temperature must be > 0"),
             (self.val_conversations >= 0, "--val-conversations must be >= 0"),
+            (self.time_limit is None or self.time_limit >= 0, "--time-limit must be >= 0"),
+            (not self.distill_only or self.self_distill, "--distill-only needs --self-distill"),
         ]
         for ok, message in checks:
             if not ok:
@@ -92,9 +96,10 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self, *fields: str) -> str:
-        """A short hash of the named settings: caches are reused only when these match."""
-        chosen = {name: getattr(self, name) for name in fields}
+    def fingerprint(self, *fields: str, **extra: Any) -> str:
+        """A short hash of the named settings (and `extra` values): caches are reused only
+        when these match."""
+        chosen = {name: getattr(self, name) for name in fields} | extra
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:16]
 
     def distill_fingerprint(self, sample: int = 0) -> str:
@@ -104,10 +109,10 @@ class TrainConfig:
         The seed enters only when replies are sampled: a greedy run under a new seed reuses them."""
         if sample > 0:  # these replies do not depend on the first set's temperature
             fields = [name for name in DISTILL_FIELDS if name != "distill_temperature"]
-            return self.fingerprint(*fields, "distill_extra_temperature") + f"-s{sample}"
+            return self.fingerprint(*fields, "distill_extra_temperature", distill_format=DISTILL_FORMAT) + f"-s{sample}"
         if self.self_distill and self.distill_temperature > 0:
-            return self.fingerprint(*DISTILL_FIELDS)
-        return dataclasses.replace(self, seed=0).fingerprint(*DISTILL_FIELDS)
+            return self.fingerprint(*DISTILL_FIELDS, distill_format=DISTILL_FORMAT)
+        return dataclasses.replace(self, seed=0).fingerprint(*DISTILL_FIELDS, distill_format=DISTILL_FORMAT)
 
     def sample_seed(self, sample: int) -> int:
         """The seed reply set `sample` is drawn under (set 0: --seed itself)."""
@@ -121,6 +126,8 @@ class TrainConfig:
         return dataclasses.replace(self, self_distill=True, distill_temperature=0.0)
 
 
+# Version 2 of the distillation caches: each reply keeps the target's token ids (distill.py).
+DISTILL_FORMAT = 2
 # Settings that decide one conversation's regenerated replies (the distillation caches' key).
 DISTILL_FIELDS = ("model_path", "data_path", "max_seq_len", "max_turns", "self_distill", "distill_temperature",
                   "distill_max_new_tokens", "seed")

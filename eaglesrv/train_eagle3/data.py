@@ -21,7 +21,8 @@ from typing import Any, Iterable, Sequence
 
 from eaglesrv.data import TRAINING_CONVERSATIONS, Conversation, to_chat_messages, training_split, usable_conversations
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]  # role, content; a regenerated reply also its REPLY_IDS
+REPLY_IDS = "token_ids"  # the target's own ids of a regenerated reply (distill.py)
 
 
 @dataclass(frozen=True)
@@ -106,14 +107,25 @@ def assistant_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[tuple
 
 
 def encode(tokenizer: Any, messages: Messages, max_seq_len: int) -> TrainingSequence | None:
-    """Tokenize one conversation, cut at max_seq_len; None when no reply token survives."""
+    """Tokenize one conversation, cut at max_seq_len; None when no reply token survives.
+
+    A last reply that carries the target's own ids (self-distillation's `REPLY_IDS`) is
+    taken as those ids, after the tokens of the prompt it was generated from: exactly
+    what the target read and wrote. Earlier turns are the prompt's text, as a chat client
+    would send them back."""
     if not messages:
         return None
     text, spans = assistant_spans(tokenizer, messages)
+    generated = messages[-1].get(REPLY_IDS)
+    if generated is not None:
+        text = render(tokenizer, messages[:-1], True)  # a prefix of the whole (assistant_spans checked)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoding["input_ids"])[:max_seq_len]
-    offsets = encoding["offset_mapping"][: len(ids)]
-    mask = [any(start <= a and b <= end for start, end in spans) and b > a for a, b in offsets]
+    ids = list(encoding["input_ids"])
+    mask = [any(start <= a and b <= end for start, end in spans) and b > a for a, b in encoding["offset_mapping"]]
+    if generated is not None:
+        ids += generated
+        mask += [True] * len(generated)
+    ids, mask = ids[:max_seq_len], mask[:max_seq_len]
     # The draft predicts token t from position t - 2 on (see ttt.py): masks before that are moot.
     if not any(mask[2:]):
         return None

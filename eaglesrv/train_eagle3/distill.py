@@ -9,10 +9,12 @@ continuous batching: when a reply ends, that conversation's next turn (or the ne
 conversation) takes its place, so the batch stays full instead of waiting for the
 longest reply of a fixed group.
 
-Results are appended to a JSONL cache one conversation at a time, each under its
-index in the file, so an interrupted run picks up where it stopped and a run over another
-slice of the data reuses what overlaps; the first line holds the settings fingerprint the
-cache belongs to.
+Each regenerated turn keeps the target's token ids beside its text (`REPLY_IDS`): the
+text, tokenized again, does not always give them back, and the training sequence should
+hold what the target generated. Results are appended to a JSONL cache one conversation
+at a time, each under its index in the file, so an interrupted run picks up where it
+stopped and a run over another slice of the data reuses what overlaps; the first line
+holds the settings fingerprint the cache belongs to.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tqdm.auto import tqdm
 
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
-from eaglesrv.train_eagle3.data import Messages, prompt_ids
+from eaglesrv.train_eagle3.data import REPLY_IDS, Messages, prompt_ids
 
 MIN_REPLY_TOKENS = 8  # a reply shorter than this budget is not worth generating
 
@@ -98,7 +100,8 @@ class _Rewrite:
         return self.rewritten
 
     def take_reply(self, text: str, cut: bool) -> None:
-        self.rewritten.append({"role": "assistant", "content": text or ""})
+        # The ids too: text does not always tokenize back to them (data.encode uses them).
+        self.rewritten.append({"role": "assistant", "content": text or "", REPLY_IDS: self.reply_ids})
         self.cursor += 1
         self.turn += 1
         self.ended = cut

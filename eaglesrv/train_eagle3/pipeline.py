@@ -134,6 +134,8 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
 
     engine = load_target(config)
     times["load_target_s"] = time.monotonic() - started
+    if config.distill_only:
+        return distilled_only(engine, config, times)
     indices, sequences = training_sequences(engine, config, times)
     parent = load_parent(config.init_from, engine) if config.init_from else None
     if parent is not None:  # a head trained further keeps the vocabulary its lm_head was trained for
@@ -170,8 +172,9 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     began = time.monotonic()
     validate = None if validation is None else (
         lambda head: chain_acceptance(head, validation, config.ttt_steps, config.batch_tokens, device))
+    deadline = None if config.time_limit is None else started + config.time_limit
     trainer = Trainer(draft, target_rows, FeatureCache(features_dir), config,
-                      config.fingerprint(*RUN_FIELDS) + feature_key, device, validate)
+                      config.fingerprint(*RUN_FIELDS) + feature_key, device, validate, deadline)
     summary = trainer.train()
     times["train_s"] = time.monotonic() - began
     write_head(draft.cpu(), hf_config, config.output_dir, config.save_dtype)
@@ -181,6 +184,21 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     metadata.update(lineage(config.init_from))
     (Path(config.output_dir) / METADATA_NAME).write_text(json.dumps(metadata, indent=2))
     return metadata
+
+
+def distilled_only(engine: Engine, config: TrainConfig, times: dict[str, float]) -> dict[str, Any]:
+    """--distill-only: the reply caches are filled (validation's first: the fewest), nothing
+    is trained. A later run with the same data settings, on any machine, reads them from
+    --work-dir (the model and data paths are part of the caches' key: give the same ones)."""
+    if config.val_conversations:
+        validation_replies(engine, config)
+    indices, sequences = training_sequences(engine, config, times)
+    caches = sorted(str(config.work_path / f"distill-{config.distill_fingerprint(sample)}.jsonl")
+                    for sample in range(1 + config.distill_extra_samples))
+    summary = {"conversations": f"[{indices.start}, {indices.stop})", **data_summary(sequences),
+               "distill_caches": caches, "times_s": {k: round(v, 1) for k, v in times.items()}}
+    logger.info("distilled only: %s", json.dumps(summary))
+    return summary
 
 
 def training_sequences(engine: Engine, config: TrainConfig, times: dict[str, float]) -> tuple[range, list[TrainingSequence]]:
@@ -219,10 +237,7 @@ def validation_features(engine: Engine, config: TrainConfig, capture: tuple[int,
     cached apart from any vocabulary: every reply position is kept."""
     if not config.val_conversations:
         return None
-    first, conversations = validation_conversations(config.val_conversations, config.data_path)
-    messages = conversation_messages(conversations, config.max_turns)
-    messages = distill(engine, config.greedy_distill(), messages, range(first, first + len(messages)))
-    sequences = encode_all(engine.tokenizer, messages, config.max_seq_len)
+    sequences = encode_all(engine.tokenizer, validation_replies(engine, config), config.max_seq_len)
     if not sequences:
         raise ValueError("no validation sequence has reply tokens; raise --val-conversations")
     key = _digest(["validation", sequences_digest(sequences), config.target_dtype, config.model_path, list(capture)])
@@ -231,6 +246,13 @@ def validation_features(engine: Engine, config: TrainConfig, capture: tuple[int,
     extract_features(engine, sequences, directory, key, capture, every_token, config.batch_tokens,
                      progress=config.progress)
     return FeatureCache(directory)
+
+
+def validation_replies(engine: Engine, config: TrainConfig) -> list[Messages]:
+    """The validation conversations with the target's greedy replies."""
+    first, conversations = validation_conversations(config.val_conversations, config.data_path)
+    messages = conversation_messages(conversations, config.max_turns)
+    return distill(engine, config.greedy_distill(), messages, range(first, first + len(messages)))
 
 
 def lineage(init_from: str | None) -> dict[str, Any]:
@@ -269,6 +291,8 @@ def _metadata(config, argv, indices, sequences, vocab, capture, extraction, summ
         "times_s": {k: round(v, 1) for k, v in times.items()},
         "throughput_tok_s": {"features": round(extraction.tokens_per_s, 1), "train": round(summary.tokens_per_s, 1)},
         "steps": len(summary.history),
+        "planned_steps": summary.planned_steps,
+        "stopped_by_time_limit": summary.stopped_by_time_limit,
         "final": {
             "loss": mean([r["loss"] for r in last]),
             "step_acc": [mean(values) for values in zip(*[r["step_acc"] for r in last])],

@@ -18,7 +18,8 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -93,6 +94,8 @@ class TrainSummary:
     tokens: int = 0  # sequence tokens run through the unroll (padding excluded)
     history: list[dict] = field(default_factory=list)  # one record per optimizer step
     validation: list[dict] = field(default_factory=list)  # before training and after each epoch
+    planned_steps: int = 0
+    stopped_by_time_limit: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,9 +112,10 @@ class Trainer:
         fingerprint: str,
         device: torch.device,
         validate: Callable[[Eagle3DraftModel], dict] | None = None,  # the head's figures on unseen data
+        deadline: float | None = None,  # time.monotonic() past which no step starts (--time-limit)
     ) -> None:
         self.draft, self.cache, self.config, self.device = draft, cache, config, device
-        self.validate = validate
+        self.validate, self.deadline = validate, deadline
         self.target_rows = target_rows.to(device=device, dtype=torch.float32)
         self.fingerprint = fingerprint
         self.lengths = [cache.length(i) for i in range(len(cache))]
@@ -143,7 +147,8 @@ class Trainer:
             position, kept = load_checkpoint(checkpoint, self.draft, self.optimizer, self.scheduler, self.fingerprint)
             history = [json.loads(line) for line in log_path.read_text().splitlines()[:kept]]
         self._write_log(log_path, history)
-        summary = TrainSummary(history=history, validation=self._kept_validations(position, checkpoint.exists()))
+        summary = TrainSummary(history=history, validation=self._kept_validations(position, checkpoint.exists()),
+                               planned_steps=self.total_steps)
         if position.step == 0 and not summary.validation:
             self._validate(0, summary)
         bar = tqdm(total=self.total_steps, initial=position.step, desc="train", unit="step",
@@ -151,8 +156,16 @@ class Trainer:
         self.draft.train()
         while position.step < self.total_steps and position.epoch < self.config.epochs:
             plan = plan_epoch(self.lengths, self.config.batch_tokens, self.config.seed, position.epoch)
-            while position.batch < len(plan) and position.step < self.total_steps:
-                record = self._step(plan[position.batch], position)
+            tick = time.monotonic()  # steps are timed wall to wall: waiting for a batch counts
+            for indices, batch in self._collated(plan, position.batch):
+                if position.step >= self.total_steps:
+                    break
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    summary.stopped_by_time_limit = True
+                    break
+                record = self._step(indices, batch, position)
+                now = time.monotonic()
+                record["seconds"], tick = now - tick, now
                 position.batch += 1
                 position.step += 1
                 summary.steps += 1
@@ -165,20 +178,33 @@ class Trainer:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['step_acc'][0]:.3f}")
                 if position.step % self.config.checkpoint_every == 0:
                     self._save(checkpoint, position, len(history))
+            if summary.stopped_by_time_limit:
+                logger.info("time limit: stopped after %d of %d steps (--resume continues)",
+                            position.step, self.total_steps)
+                break
             if position.batch >= len(plan):
                 position.epoch += 1
                 position.batch = 0
                 self._validate(position.epoch, summary)
         bar.close()
         if self.validate and summary.validation and summary.validation[-1]["step"] != len(history):
-            self._validate(position.epoch, summary)  # stopped by --max-steps inside an epoch
+            self._validate(position.epoch, summary)  # stopped inside an epoch (--max-steps, --time-limit)
         self._save(checkpoint, position, len(history))
         self.draft.eval()
         return summary
 
-    def _step(self, indices: list[int], position: Position) -> dict:
-        began = time.monotonic()
-        batch = collate(self.cache, indices, self.device)
+    def _collated(self, plan: list[list[int]], start: int) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+        """(indices, batch) for plan[start:]; each batch is collated in a worker thread while
+        the one before it trains (on a GPU, the host-side padding would stall every step)."""
+        with ThreadPoolExecutor(max_workers=1) as worker:
+            upcoming = worker.submit(collate, self.cache, plan[start], self.device) if start < len(plan) else None
+            for k in range(start, len(plan)):
+                batch = upcoming.result()
+                if k + 1 < len(plan):
+                    upcoming = worker.submit(collate, self.cache, plan[k + 1], self.device)
+                yield plan[k], batch
+
+    def _step(self, indices: list[int], batch: dict[str, torch.Tensor], position: Position) -> dict:
         with torch.no_grad():
             target = torch.zeros(batch["valid"].shape + (len(self.target_rows),), device=self.device)
             rows = batch["hidden"][batch["valid"]].float()
@@ -205,7 +231,6 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "sequences": len(indices),
             "tokens": sum(self.lengths[i] for i in indices),
-            "seconds": time.monotonic() - began,
         }
 
     def _validate(self, epochs: int, summary: TrainSummary) -> None:

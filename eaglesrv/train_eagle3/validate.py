@@ -6,11 +6,11 @@ positions whose target token the draft vocabulary can name. Here every reply pos
 counts, and a hit means what greedy verification accepts: the draft's top token, mapped
 to the target's vocabulary, equals the target's own top token (features.py's `top`).
 
-The replies are the target's greedy ones, so the token the data holds after position t
-is the one the target would commit, and the unroll fed with the data's tokens is the
-chain the engine would draft after accepting them. (The replies are stored as text and
-tokenized again: where that does not give back the target's own ids, as with a random
-byte-level model's invalid UTF-8, the figures describe the re-tokenized text.) Root i
+The replies are the target's greedy ones, kept as its own token ids (distill.py), so the
+token the data holds after position t is the one the target would commit, and the unroll
+fed with the data's tokens is the chain the engine would draft after accepting them
+(up to numerics: where the features' pass and the decoding that wrote the reply round
+differently, the two can part at a near tie). Root i
 (the last committed token is i + 1) accepts k_i drafted tokens, the leading hits of
 steps 0, 1, ...; step j at root i is scored against top[i + 1 + j] (ttt.py's indexing).
 Roots count when token i + 1 and their S unrolled steps are all reply text: the first
@@ -20,7 +20,7 @@ Decoding does not verify at every root: after accepting k tokens it moves k + 1 
 easy stretches take few verifications and hard ones many. The figures therefore walk the
 roots as decoding would (`decoding_walk`); averaging over every root instead overstates
 the accept length (the shipped head, chain of 3, on the training split's last 100
-conversations: about 1.75 averaged over roots, 1.64 walked, 1.636 served by the engine).
+conversations: about 1.75 averaged over roots, 1.637 walked, 1.636 served by the engine).
 A tree drafts more candidates per depth, so it accepts at least as much as the chain.
 """
 

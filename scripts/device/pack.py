@@ -2,8 +2,10 @@
 
 A call carries at most 64 MiB, the working tree included (about 16 MB), and the GPU
 machine reaches no network. Training needs the default model's GGUF (98 MB), the training
-split of ShareGPT (49 MB of JSON, 9 MB as xz) and the `gguf` package's wheel. `pack` cuts
-them into folders of at most --piece-mb MB under .devcarry/ (ignored by git); each device
+split of ShareGPT (49 MB of JSON, 9 MB as xz) and the `gguf` package's wheel. Replies
+distilled here ahead of time (`train_eagle3 --distill-only`, into .devcarry/run/work) go
+too, xz'd, and come out in the same place there, so the GPU's minutes go to training.
+`pack` cuts them into folders of at most --piece-mb MB under .devcarry/ (ignored by git); each device
 call carries one folder (`carry: [".devcarry/a"]`, then b, ...), back to back while the
 machine is warm, which keeps the folders earlier calls left. `unpack`, run there in the
 last call, checks every piece against the manifest and rebuilds the files.
@@ -32,6 +34,8 @@ MANIFEST = "manifest.json"
 MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_NAME = "train_split.json"
 GGUF_WHEEL = "gguf==0.19.0"
+CACHE_DIR = "run/work"  # under --dir: train_head.sh's --work-dir
+PIECE_FOLDERS = tuple(string.ascii_lowercase)
 
 
 def sha256(data: bytes) -> str:
@@ -61,11 +65,19 @@ def gather(staging: Path) -> tuple[bytes, bytes, tuple[str, bytes]]:
     return default_model_path().read_bytes(), lzma.compress(training_split_json(), preset=6), (wheel.name, wheel.read_bytes())
 
 
-def pack(root: Path, piece_bytes: int, model: bytes, data_xz: bytes, wheel: tuple[str, bytes]) -> list[Path]:
+def distilled_caches(root: Path) -> dict[str, bytes]:
+    """The self-distillation caches under root/CACHE_DIR, each xz'd, by file name."""
+    return {path.name: lzma.compress(path.read_bytes(), preset=6)
+            for path in sorted((root / CACHE_DIR).glob("distill-*.jsonl"))}
+
+
+def pack(root: Path, piece_bytes: int, model: bytes, data_xz: bytes, wheel: tuple[str, bytes],
+         caches_xz: dict[str, bytes] | None = None) -> list[Path]:
     """Cut the files into pieces, fill folders a, b, ... in order; returns the folders."""
     pieces = [(f"{MODEL_NAME}.{k:02d}", model[start:start + piece_bytes])
               for k, start in enumerate(range(0, len(model), piece_bytes))]
     pieces += [(DATA_NAME + ".xz", data_xz), wheel]
+    pieces += [(name + ".xz", blob) for name, blob in sorted((caches_xz or {}).items())]
     folders: list[list[tuple[str, bytes]]] = [[]]
     for name, blob in pieces:  # first fit, in order: the model's pieces first
         if len(blob) > piece_bytes:
@@ -74,9 +86,9 @@ def pack(root: Path, piece_bytes: int, model: bytes, data_xz: bytes, wheel: tupl
             folders.append([])
         folders[-1].append((name, blob))
     manifest = {"model": {"name": MODEL_NAME, "sha256": sha256(model)}, "data": {"name": DATA_NAME},
-                "pieces": []}
+                "caches": sorted(caches_xz or {}), "pieces": []}
     paths = []
-    for letter, contents in zip(string.ascii_lowercase, folders):
+    for letter, contents in zip(PIECE_FOLDERS, folders):
         folder = root / letter
         folder.mkdir(parents=True)
         for name, blob in contents:
@@ -110,7 +122,14 @@ def unpack(root: Path) -> dict[str, Path]:
     (out / manifest["data"]["name"]).write_bytes(lzma.decompress(blobs[manifest["data"]["name"] + ".xz"]))
     (wheel,) = [n for n in blobs if n.endswith(".whl")]
     (out / wheel).write_bytes(blobs[wheel])
-    return {"model": out / model_name, "data": out / manifest["data"]["name"], "wheel": out / wheel}
+    paths = {"model": out / model_name, "data": out / manifest["data"]["name"], "wheel": out / wheel}
+    for name in manifest.get("caches", []):  # a cache there already is newer: resumed runs append to it
+        cache = root / CACHE_DIR / name
+        if not cache.exists():
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_bytes(lzma.decompress(blobs[name + ".xz"]))
+        paths[name] = cache
+    return paths
 
 
 def main() -> None:
@@ -121,13 +140,14 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.dir)
     if args.action == "pack":
-        if root.exists():
-            shutil.rmtree(root)
+        for old in [root / letter for letter in PIECE_FOLDERS] + [root / "staging"]:
+            if old.exists():
+                shutil.rmtree(old)  # the pieces only: root/CACHE_DIR is what this packs
         staging = root / "staging"
         staging.mkdir(parents=True)
         files = gather(staging)
         shutil.rmtree(staging)
-        for folder in pack(root, int(args.piece_mb * 1e6), *files):
+        for folder in pack(root, int(args.piece_mb * 1e6), *files, distilled_caches(root)):
             size = sum(f.stat().st_size for f in folder.iterdir())
             print(f"{folder}: {size / 1e6:.1f} MB ({', '.join(sorted(f.name for f in folder.iterdir()))})")
     else:

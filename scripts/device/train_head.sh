@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Train the default model's EAGLE-3 head on the lent GPU machine; bring it back under $OUT.
 #
-# Here first: python scripts/device/pack.py pack   (writes .devcarry/a, b, c)
+# Here first, the replies (hours on a 2-core CPU; resumable; the GPU run regenerates what is missing):
+#   bash scripts/device/train_head.sh --distill-here
+# then: python scripts/device/pack.py pack   (writes .devcarry/a, b, c, the replies in the last)
 # Then three device calls back to back, while the machine stays warm:
 #   run(carry=[".devcarry/a"], command="ls .devcarry")
 #   run(carry=[".devcarry/b"], command="ls .devcarry")
@@ -15,8 +17,25 @@
 #   --device cpu --num-conversations 8 --val-conversations 8 --epochs 1 --batch-tokens 2048 --max-steps 2
 #
 # Usage: bash scripts/device/train_head.sh [SECONDS [extra train_eagle3 flags]]
-# SECONDS bounds the training command, so that the results still come back inside the call.
+# SECONDS bounds the training command, so that the results still come back inside the call:
+# training stops a minute before (--time-limit) and writes the head as it stands.
 set -euo pipefail
+run=.devcarry/run
+model=(--model-path .devcarry/unpacked/SmolLM2-135M-Instruct.Q4_1.gguf --data-path .devcarry/unpacked/train_split.json)
+# The recipe. Greedy replies to every training conversation but the validation ones, one
+# extra sampled reply each (docs/training_pilots.md), 8,192 draft tokens (91% of the
+# validation replies' tokens, against 86% for the shipped head's 4,096), the authors'
+# 7-step unroll, big batches for the GPU. The shipped head's commands are in its README.
+recipe=(--self-distill --max-turns 1 --max-seq-len 512 --distill-max-new-tokens 256 --distill-batch-size 256
+        --distill-extra-samples 1 --val-conversations 100 --draft-vocab-size 8192 --ttt-steps 7
+        --epochs 6 --lr 1e-3 --warmup-steps 50 --batch-tokens 32768 --checkpoint-every 20 --seed 0)
+
+if [[ ${1:-} == --distill-here ]]; then  # on this machine: the same paths, so the caches' keys match there
+  [[ -f .devcarry/unpacked/train_split.json ]] || { python3 scripts/device/pack.py pack && python3 scripts/device/pack.py unpack; }
+  exec python3 -m eaglesrv.train_eagle3 --output-dir $run/head --work-dir $run/work --device cpu \
+    --target-dtype bfloat16 --no-progress "${model[@]}" "${recipe[@]}" --distill-batch-size 128 --distill-only
+fi
+
 seconds=${1:-480}
 shift || true
 export PYTHONUNBUFFERED=1
@@ -26,19 +45,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || tr
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .devcarry/unpacked/gguf-*.whl
 export PYTHONPATH=/tmp/site:$PWD
 
-run=.devcarry/run
-# The recipe. Greedy replies to every training conversation but the validation ones, one
-# extra sampled reply each (docs/training_pilots.md), 8,192 draft tokens (91% of the
-# validation replies' tokens, against 86% for the shipped head's 4,096), the authors'
-# 7-step unroll, big batches for the GPU. The shipped head's commands are in its README.
-recipe=(--self-distill --max-turns 1 --max-seq-len 512 --distill-max-new-tokens 256 --distill-batch-size 256
-        --distill-extra-samples 1 --val-conversations 100 --draft-vocab-size 8192 --ttt-steps 7
-        --epochs 10 --lr 1e-3 --warmup-steps 50 --batch-tokens 32768 --checkpoint-every 20 --seed 0)
 status=0
 timeout --signal=INT --kill-after=20 "$seconds" python3 -m eaglesrv.train_eagle3 \
-  --output-dir $run/head --work-dir $run/work --device cuda --no-progress --resume \
-  --model-path .devcarry/unpacked/SmolLM2-135M-Instruct.Q4_1.gguf --data-path .devcarry/unpacked/train_split.json \
-  "${recipe[@]}" "$@" 2>&1 | grep --line-buffered -v -E "^\s*$" | tee $run.log | grep --line-buffered -E "validation after|head written|vocabulary|Error|error" \
+  --output-dir $run/head --work-dir $run/work --device cuda --no-progress --resume --time-limit $((seconds - 60)) \
+  "${model[@]}" "${recipe[@]}" "$@" 2>&1 | grep --line-buffered -v -E "^\s*$" | tee $run.log | grep --line-buffered -E "validation after|head written|vocabulary|Error|error" \
   || status=$?
 cp $run.log "$OUT/train.log"
 [[ -f $run/head/train_state/validation.jsonl ]] && cp $run/head/train_state/validation.jsonl "$OUT/"
