@@ -195,7 +195,8 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
-def write_tiny_gguf(path: Path, model: torch.nn.Module, arch: str, q8_embeddings: bool = False) -> None:
+def write_tiny_gguf(path: Path, model: torch.nn.Module, arch: str, q8_embeddings: bool = False,
+                    pre: str | None = None) -> None:
     import gguf
 
     cfg = model.config
@@ -210,6 +211,8 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, arch: str, q8_embeddings
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     tokens = [f"<t{i}>" for i in range(3)] + [chr(0x21 + i) for i in range(cfg.vocab_size - 3)]
     writer.add_token_list(tokens)
     writer.add_token_types([3, 3, 3] + [1] * (cfg.vocab_size - 3))
@@ -272,6 +275,14 @@ def test_gguf_tokenizer_and_template(tmp_path: Path) -> None:
     tokenizer = resolve_model(str(tmp_path / "tiny.gguf"), load_format="dummy").load_tokenizer()
     assert tokenizer.eos_token_id == 2
     assert tokenizer.chat_template.startswith("{% for m in messages %}")
+    assert "Digits" not in str(tokenizer.backend_tokenizer.pre_tokenizer)  # no `tokenizer.ggml.pre`: as converted
+
+
+def test_gguf_smollm_tokenizer_splits_digits_first(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model(), "llama", pre="smollm")
+    tokenizer = resolve_model(str(tmp_path / "tiny.gguf"), load_format="dummy").load_tokenizer()
+    split = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab12")
+    assert [piece for piece, _ in split] == ["ab", "1", "2"]
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:
@@ -365,6 +376,11 @@ def test_default_model_tokenizer(default_source) -> None:
     # The ids transformers' own GGUF tokenizer gives (AutoTokenizer.from_pretrained(dir,
     # gguf_file=...)); building a second one here would cost another ~6 s.
     assert tokenizer("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
+    # SmolLM2's tokenizer.json isolates digits before the byte-level split; transformers'
+    # GGUF conversion drops that (eaglesrv restores it), and then splits "\n\n" before a
+    # digit in two, as neither the original tokenizer nor the model's own replies do.
+    assert tokenizer.convert_ids_to_tokens(tokenizer(":\n\n1. x   12").input_ids) == [
+        ":", "ĊĊ", "1", ".", "Ġx", "ĠĠĠ", "1", "2"]
     assert "<|im_start|>" in tokenizer.chat_template
     assert tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
+BUILD = 2  # 2: SmolLM's digit split restored (gguf_file.DIGITS_FIRST_PRE_TOKENIZERS)
 
 
 def load_tokenizer(spec: str | None) -> Any:
@@ -86,7 +87,8 @@ def _cache_dir_for(gguf_path: Path) -> Path:
     from eaglesrv.utils.package_fetch import default_cache_dir
 
     st = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    # BUILD: bumped when the loader builds tokenizers differently, so older caches are rebuilt.
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{BUILD}".encode()).hexdigest()[:16]
     return default_cache_dir() / "tokenizers" / f"{gguf_path.stem}-{key}"
 
 

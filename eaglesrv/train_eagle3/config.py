@@ -126,8 +126,9 @@ class TrainConfig:
         return dataclasses.replace(self, self_distill=True, distill_temperature=0.0)
 
 
-# Version 2 of the distillation caches: each reply keeps the target's token ids (distill.py).
-DISTILL_FORMAT = 2
+# Version of the distillation caches. 2: each reply keeps the target's token ids (distill.py);
+# 3: prompts from GGUF tokenizers split digits as the original tokenizer does (gguf_file.py).
+DISTILL_FORMAT = 3
 # Settings that decide one conversation's regenerated replies (the distillation caches' key).
 DISTILL_FIELDS = ("model_path", "data_path", "max_seq_len", "max_turns", "self_distill", "distill_temperature",
                   "distill_max_new_tokens", "seed")

@@ -8,6 +8,7 @@ undo that (see unpermute_rotary).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -179,6 +180,14 @@ def iter_gguf_weights(reader: Any, config: dict[str, Any], permuted: bool) -> We
         yield name, weight
 
 
+# llama.cpp's `tokenizer.ggml.pre` values whose pre-tokenization isolates every digit
+# before the GPT-2 byte-level split (the original tokenizer.json: Digits(individual_digits)
+# then ByteLevel). transformers' GGUF conversion keeps only the byte-level split, which
+# cuts whitespace before a digit differently: ":\n\n1." becomes ":", "\n", "\n", "1", "."
+# where the original tokenizer, and the model's own replies, have ":", "\n\n", "1", ".".
+DIGITS_FIRST_PRE_TOKENIZERS = frozenset({"smollm"})
+
+
 def gguf_tokenizer_loader(path: Path, reader: Any | None = None) -> Callable[[], Any]:
     """A deferred tokenizer built by transformers from the GGUF vocab, fixed up from the file."""
     path = Path(path)
@@ -186,6 +195,7 @@ def gguf_tokenizer_loader(path: Path, reader: Any | None = None) -> Callable[[],
     meta = metadata(reader)
     template = meta.get("tokenizer.chat_template")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    digits_first = meta.get("tokenizer.ggml.pre") in DIGITS_FIRST_PRE_TOKENIZERS
 
     def load() -> Any:
         from transformers import AutoTokenizer
@@ -196,9 +206,22 @@ def gguf_tokenizer_loader(path: Path, reader: Any | None = None) -> Callable[[],
             tokenizer.chat_template = template
         if eos_id is not None and tokenizer.eos_token_id != int(eos_id):
             tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
+        if digits_first:
+            split_digits_first(tokenizer)
         return tokenizer
 
     return load
+
+
+def split_digits_first(tokenizer: Any) -> None:
+    """Put the individual-digit split in front of the tokenizer's pre-tokenizer (once)."""
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    if '"Digits"' in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+        return  # a transformers that converts it already
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     backend.pre_tokenizer])
 
 
 def load_gguf(path: Path, load_format: str) -> ModelSource:
