@@ -193,8 +193,7 @@ def distilled_only(engine: Engine, config: TrainConfig, times: dict[str, float])
     if config.val_conversations:
         validation_replies(engine, config)
     indices, sequences = training_sequences(engine, config, times)
-    caches = sorted(str(config.work_path / f"distill-{config.distill_fingerprint(sample)}.jsonl")
-                    for sample in range(1 + config.distill_extra_samples))
+    caches = sorted(str(distill_cache(config, sample)) for sample in range(1 + config.distill_extra_samples))
     summary = {"conversations": f"[{indices.start}, {indices.stop})", **data_summary(sequences),
                "distill_caches": caches, "times_s": {k: round(v, 1) for k, v in times.items()}}
     logger.info("distilled only: %s", json.dumps(summary))
@@ -225,11 +224,15 @@ def distill(engine: Engine, config: TrainConfig, conversations: list[Messages], 
             sample: int = 0) -> list[Messages]:
     """Reply set `sample` of the conversations (0: at --distill-temperature; then the extra
     sampled sets), each cached in its own file."""
-    key = config.distill_fingerprint(sample)
     temperature = config.distill_temperature if sample == 0 else config.distill_extra_temperature
-    return regenerate(engine, conversations, indices, config.work_path / f"distill-{key}.jsonl", key,
+    return regenerate(engine, conversations, indices, distill_cache(config, sample), config.distill_fingerprint(sample),
                       config.max_seq_len, temperature, config.sample_seed(sample), config.distill_batch_size,
                       config.distill_max_new_tokens, config.progress)
+
+
+def distill_cache(config: TrainConfig, sample: int) -> Path:
+    """The file reply set `sample` is cached in, named by its key."""
+    return config.work_path / f"distill-{config.distill_fingerprint(sample)}.jsonl"
 
 
 def validation_features(engine: Engine, config: TrainConfig, capture: tuple[int, ...]) -> FeatureCache | None:

@@ -8,7 +8,6 @@ undo that (see unpermute_rotary).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
@@ -218,7 +217,7 @@ def split_digits_first(tokenizer: Any) -> None:
     from tokenizers import pre_tokenizers
 
     backend = tokenizer.backend_tokenizer
-    if '"Digits"' in json.dumps(json.loads(backend.to_str()).get("pre_tokenizer")):
+    if "Digits(" in str(backend.pre_tokenizer):
         return  # a transformers that converts it already
     backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      backend.pre_tokenizer])
