@@ -278,8 +278,9 @@ def test_gguf_tokenizer_and_template(tmp_path: Path) -> None:
     assert "Digits" not in str(tokenizer.backend_tokenizer.pre_tokenizer)  # no `tokenizer.ggml.pre`: as converted
 
 
-def test_gguf_smollm_tokenizer_splits_digits_first(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model(), "llama", pre="smollm")
+@pytest.mark.parametrize("pre", ["smollm", "starcoder", "command-r"])
+def test_gguf_digits_first_tokenizer_splits_digits_first(tmp_path: Path, pre: str) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_model(), "llama", pre=pre)
     tokenizer = resolve_model(str(tmp_path / "tiny.gguf"), load_format="dummy").load_tokenizer()
     split = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab12")
     assert [piece for piece, _ in split] == ["ab", "1", "2"]

@@ -180,11 +180,13 @@ def iter_gguf_weights(reader: Any, config: dict[str, Any], permuted: bool) -> We
 
 
 # llama.cpp's `tokenizer.ggml.pre` values whose pre-tokenization isolates every digit
-# before the GPT-2 byte-level split (the original tokenizer.json: Digits(individual_digits)
+# before the GPT-2 byte-level split (llama.cpp gives all of them the same two regexes,
+# `\p{N}` then GPT-2's; SmolLM's tokenizer.json says the same: Digits(individual_digits)
 # then ByteLevel). transformers' GGUF conversion keeps only the byte-level split, which
 # cuts whitespace before a digit differently: ":\n\n1." becomes ":", "\n", "\n", "1", "."
 # where the original tokenizer, and the model's own replies, have ":", "\n\n", "1", ".".
-DIGITS_FIRST_PRE_TOKENIZERS = frozenset({"smollm"})
+DIGITS_FIRST_PRE_TOKENIZERS = frozenset(
+    {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"})
 
 
 def gguf_tokenizer_loader(path: Path, reader: Any | None = None) -> Callable[[], Any]:
