@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eaglesrv.engine.adaptive.acceptance import AcceptanceTable, chain_accept_length, expected_accept_length
-from eaglesrv.engine.adaptive.cost_model import CostCurve, CostModel
+from eaglesrv.engine.adaptive.cost_model import CostCurve, CostModel, StepCorrection
 from eaglesrv.engine.adaptive.policy import SpeculationPolicy, StepLoad
 from eaglesrv.engine.eagle3.shape import TreeShape, candidate_shapes
 
@@ -24,7 +24,8 @@ def synthetic_costs(rng: np.random.Generator) -> CostModel:
     draft_floor = floor * rng.uniform(0.02, 0.2)
     draft = list(np.maximum.accumulate([draft_floor * max(1.0, r / 64) for r in ROWS]))
     logits = [0.2 * t for t in target]
-    return CostModel(CostCurve(ROWS, target), CostCurve(ROWS, logits), CostCurve(ROWS, draft))
+    correction = StepCorrection(factor=rng.uniform(0.7, 1.5), per_request_s=rng.uniform(0, 0.3) * floor)
+    return CostModel(CostCurve(ROWS, target), CostCurve(ROWS, logits), CostCurve(ROWS, draft), correction=correction)
 
 
 def synthetic_table(rng: np.random.Generator, depths: int, ranks: int) -> AcceptanceTable:
@@ -38,17 +39,17 @@ def synthetic_table(rng: np.random.Generator, depths: int, ranks: int) -> Accept
 
 def brute_force(shapes, costs: CostModel, table: AcceptanceTable, load: StepLoad) -> float:
     """The best tokens/s over plain decoding and every (shape, subset of eligible requests)."""
-    alone = float(costs.plain_step(load.decoding, 0))  # the decode-only plain step
-    beside_chunk = float(costs.plain_step(load.decoding, load.other_rows))
-    best = load.decoding / alone
+    best = load.decoding / float(costs.plain_step(load.decoding))
+    if load.other_rows:
+        return best  # beside a prefill chunk: plain
     eligible = range(len(load.multipliers))
     for shape in shapes:
         accept = table.expected_accept_length(shape)
         for size in range(1, len(load.multipliers) + 1):
             for subset in itertools.combinations(eligible, size):
                 tokens = load.decoding + sum(1 + load.multipliers[i] * (accept - 1) - 1 for i in subset)
-                seconds = alone + float(costs.speculative_step(shape.nodes, shape.topk, shape.steps, size,
-                                                               load.decoding - size, accept, load.other_rows)) - beside_chunk
+                seconds = float(costs.speculative_step(shape.nodes, shape.topk, shape.steps, size,
+                                                       load.decoding - size, accept))
                 best = max(best, tokens / seconds)
     return best
 
@@ -60,7 +61,8 @@ def test_policy_choice_matches_brute_force(seed):
     costs, table = synthetic_costs(rng), synthetic_table(rng, largest.steps, largest.topk)
     eligible = int(rng.integers(0, 6))
     load = StepLoad(decoding=eligible + int(rng.integers(0, 3)),
-                    multipliers=list(rng.uniform(0.2, 1.6, size=eligible)), other_rows=int(rng.integers(0, 40)))
+                    multipliers=list(rng.uniform(0.2, 1.6, size=eligible)),
+                    other_rows=int(rng.integers(0, 40)) if seed % 3 == 0 else 0)
     if load.decoding == 0:
         load = StepLoad(1, [1.0])
     policy = SpeculationPolicy(largest, costs, table, hysteresis=0.0)
@@ -91,25 +93,19 @@ def test_policy_goes_plain_under_load_and_speculates_alone():
     assert mixed.shape is not None and sorted(mixed.speculating) == [0, 2]
 
 
-def test_a_prefill_chunk_in_the_pass_does_not_make_trees_look_cheap():
-    # Compute-bound past 16 rows: 32 requests x (3,1,4) would be 128 rows, 4x the work of
-    # plain decoding, for an accept length near 2. Beside a 2,000-token chunk the step is
-    # slow anyway, but the trees still add their rows: the choice must stay plain.
+def test_a_step_with_a_prefill_chunk_decodes_plainly_and_keeps_the_shape():
     costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
                       CostCurve(ROWS, [0.002] * len(ROWS)))
     table = AcceptanceTable(3, 1)
     table.hits, table.trials = np.full((3, 1), 60.0), np.full((3, 1), 100.0)
     table.version += 1
     policy = SpeculationPolicy(TreeShape.of(3, 1, 4), costs, table, hysteresis=0.0)
-    for other_rows in (0, 2000):
-        policy.current = None
-        decision = policy.decide(StepLoad(32, [1.0] * 32, other_rows))
-        assert decision.shape is None, other_rows
-        assert decision.tokens_per_s == pytest.approx(32 / float(costs.plain_step(32)))
-    # Alone, the same request speculates whether or not a chunk shares the pass.
-    for other_rows in (0, 8):
-        policy.current = None
-        assert policy.decide(StepLoad(1, [1.0], other_rows)).shape is not None, other_rows
+    alone = policy.decide(StepLoad(1, [1.0]))
+    assert alone.shape is not None  # one request speculates...
+    beside = policy.decide(StepLoad(1, [1.0], other_rows=8))
+    assert beside.shape is None and beside.tokens_per_s == pytest.approx(1 / float(costs.plain_step(1)))
+    assert beside.passes_s == pytest.approx(float(costs.plain_passes(1, 8)))  # ...but not beside a chunk
+    assert policy.current == alone.shape  # and takes its shape up again after it
 
 
 def test_hysteresis_keeps_the_shape_until_the_margin_is_passed():
@@ -161,15 +157,43 @@ def test_acceptance_table_learns_rates_and_request_multipliers():
     assert table.multiplier("good") == 1.0
 
 
-def test_cost_model_interpolates_extrapolates_and_corrects():
+def test_cost_model_interpolates_and_extrapolates():
     curve = CostCurve([1, 4, 16], [0.01, 0.01, 0.04])
     assert curve(2) == pytest.approx(0.01) and curve(10) == pytest.approx(0.025) and curve(32) == pytest.approx(0.08)
     model = CostModel(curve, CostCurve([1, 16], [0.0, 0.0]), CostCurve([1, 16], [0.001, 0.002]))
-    before = float(model.plain_step(4))
-    for _ in range(200):
-        model.observe("plain", float(model.plain_step(4)), 2 * before)
-    assert float(model.plain_step(4)) == pytest.approx(2 * before, rel=0.02)
-    assert model.corrections["speculative"] == 1.0
+    assert float(model.plain_step(4)) == pytest.approx(0.01)  # uncorrected until a step is seen
+
+
+def test_correction_separates_the_pass_factor_from_the_host_cost_per_speculating_request():
+    rng = np.random.default_rng(0)
+    correction = StepCorrection()
+    for _ in range(300):  # steps at mixed loads: 0 to 64 speculating requests, noisy by 2%
+        passes, speculating = rng.uniform(0.02, 0.2), int(rng.integers(0, 65))
+        correction.observe(passes, speculating, (1.3 * passes + 0.0008 * speculating) * rng.uniform(0.98, 1.02))
+    assert correction.factor == pytest.approx(1.3, rel=0.03)
+    assert correction.per_request_s == pytest.approx(0.0008, rel=0.1)
+    plain_only = StepCorrection()
+    for _ in range(100):  # plain steps say nothing about speculation's host cost
+        plain_only.observe(0.05, 0, 0.08)
+    assert plain_only.factor == pytest.approx(1.6, rel=0.01) and plain_only.per_request_s == 0.0
+    assert StepCorrection()(0.05, 3) == pytest.approx(0.05)  # the prior: no correction
+
+
+def test_host_cost_per_request_turns_off_speculation_for_many_requests_not_for_one():
+    # Memory-bound up to 64 rows: 16 requests x (1,1,2) is 32 rows, as cheap as 16. Half
+    # the one-token drafts are accepted: without a host cost, 16 speculating requests gain
+    # 50%; at 2 ms each (32 ms on a 40 ms step) they lose.
+    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 64) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
+                      CostCurve(ROWS, [0.0] * len(ROWS)))
+    table = AcceptanceTable(1, 1)
+    table.hits, table.trials = np.full((1, 1), 50.0), np.full((1, 1), 100.0)
+    table.version += 1
+    policy = SpeculationPolicy(TreeShape.of(1, 1, 2), costs, table, hysteresis=0.0)
+    assert policy.decide(StepLoad(16, [1.0] * 16)).speculating == tuple(range(16))
+    costs.correction = StepCorrection(per_request_s=0.002)
+    policy.current = None
+    assert policy.decide(StepLoad(16, [1.0] * 16)).shape is None
+    assert policy.decide(StepLoad(1, [1.0])).shape is not None  # 1.5 tokens in 42 ms beats 1 in 40
 
 
 def test_candidate_shapes_stay_inside_the_configured_tree():

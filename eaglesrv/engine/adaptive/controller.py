@@ -51,7 +51,7 @@ class AdaptiveSpeculation:
         return decision
 
     def observe(self, decision: Decision, seconds: float) -> None:
-        self.costs.observe(decision.kind, decision.predicted_s, seconds)
+        self.costs.observe(decision.passes_s, len(decision.speculating), seconds)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
@@ -69,5 +69,5 @@ class AdaptiveSpeculation:
             "spec_steps_plain": self.steps["plain"],
             "spec_steps_speculative": self.steps["speculative"],
             "spec_acceptance_table": self.acceptance.snapshot(),
-            "spec_cost_corrections": dict(self.costs.corrections),
+            "spec_cost_correction": self.costs.correction.to_json(),
         }

@@ -6,12 +6,13 @@ measured row counts (past the largest, time grows in proportion to rows: passes 
 are compute-bound). Rows are packed tokens: a plain decode is one row per request, a
 verification `nodes` rows per request, a draft pass topk rows per speculating request.
 
-The measured times leave out what the passes do not show (tree building, acceptance on the
-host). `corrections` holds, per kind of step, a decayed ratio of the step times actually
-seen to the times predicted, so that the policy compares what steps really cost. Only
-steps without prefill chunks feed it: a chunk's cost depends on its own length and
-context, which the decode-shaped measurement does not model, and letting it in would
-make plain decoding look dearer than it is whenever requests arrive.
+The measured passes leave out what a real step adds. `correction` learns it from the
+step times seen (StepCorrection): a factor on the passes (contexts other than the measured
+one, attention over many short spans) and a fixed host cost per speculating request (tree
+building, acceptance, compaction, the draft's catch-up over a backlog). Only steps without
+prefill chunks feed it: a chunk's cost depends on its own length and context, which the
+decode-shaped measurement does not model, and letting it in would make plain decoding look
+dearer than it is whenever requests arrive.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-CORRECTION_DECAY = 0.95
-CORRECTION_RANGE = (0.5, 2.0)
+CORRECTION_DECAY = 0.97  # per observed step: the fit follows the last ~30 steps
+FACTOR_RANGE = (0.5, 3.0)
+PER_REQUEST_RANGE_S = (0.0, 0.05)
+PRIOR_WEIGHT = 0.1  # the prior (factor 1, no host cost) weighs a tenth of one step: it only keeps the fit defined
+PER_REQUEST_SCALE_S = 0.01  # a host cost this large is as far from the prior as a factor of 2
 
 
 @dataclass
@@ -48,37 +52,77 @@ class CostCurve:
 
 
 @dataclass
+class StepCorrection:
+    """actual step seconds ~= factor * predicted passes + per_request_s * speculating requests.
+
+    A multiplicative correction alone cannot tell the two apart: a host cost per
+    speculating request is a large fraction of a one-request step and a small one of a
+    64-request step, so one ratio learnt at one load misprices the others (with 16
+    requests in flight on a 2-core CPU, steps running a one-token chain for all 16 took
+    1.4x their ratio-corrected prediction, 94 against 68 ms). Fitted by decayed least squares on relative errors (each step weighs
+    alike whatever its length), with a weak prior at (1, 0) so that it is defined from the
+    first step and stays so while only one kind of step is seen."""
+
+    factor: float = 1.0
+    per_request_s: float = 0.0
+    _gram: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
+    _moment: np.ndarray = field(default_factory=lambda: np.zeros(2))
+
+    def __call__(self, passes_s, speculating=0) -> np.ndarray:
+        return self.factor * np.asarray(passes_s) + self.per_request_s * np.asarray(speculating)
+
+    def observe(self, passes_s: float, speculating: int, actual_s: float) -> None:
+        if passes_s <= 0 or actual_s <= 0:
+            return
+        x = np.array([passes_s, speculating]) / actual_s  # the equation x . (factor, h) = 1
+        self._gram = CORRECTION_DECAY * self._gram + np.outer(x, x)
+        self._moment = CORRECTION_DECAY * self._moment + x
+        prior = PRIOR_WEIGHT * np.diag([1.0, 1.0 / PER_REQUEST_SCALE_S**2])
+        factor, per_request_s = np.linalg.solve(self._gram + prior, self._moment + prior @ np.array([1.0, 0.0]))
+        self.factor = float(np.clip(factor, *FACTOR_RANGE))
+        self.per_request_s = float(np.clip(per_request_s, *PER_REQUEST_RANGE_S))
+
+    def to_json(self) -> dict:
+        return {"factor": self.factor, "per_request_ms": 1e3 * self.per_request_s}
+
+
+@dataclass
 class CostModel:
     target: CostCurve  # one target pass (features captured), by rows, without the output layer
     logits: CostCurve  # the target's output layer, by rows it is applied to (sampled or verified rows)
     draft: CostCurve  # one draft pass, by rows
     context_tokens: int = 0  # cached tokens per request while measuring
-    corrections: dict[str, float] = field(default_factory=lambda: {"plain": 1.0, "speculative": 1.0})
+    correction: StepCorrection = field(default_factory=StepCorrection)
 
-    def plain_step(self, decode_rows, other_rows: int = 0) -> np.ndarray:
+    def plain_passes(self, decode_rows, other_rows: int = 0) -> np.ndarray:
         decode_rows = np.asarray(decode_rows)
-        return (self.target(decode_rows + other_rows) + self.logits(decode_rows)) * self.corrections["plain"]
+        return self.target(decode_rows + other_rows) + self.logits(decode_rows)
 
-    def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length,
-                         other_rows: int = 0) -> np.ndarray:
-        """A step where `speculating` requests verify trees of (steps, topk, nodes) and
-        `plain_rows` rows decode plainly beside them: steps - 1 draft passes of topk rows per
-        speculating request, one target pass, one draft extend over the committed tokens.
-        Arguments broadcast (numpy), so one call prices many shapes and set sizes."""
+    def speculative_passes(self, nodes, topk, steps, speculating, plain_rows, accept_length,
+                           other_rows: int = 0) -> np.ndarray:
+        """The passes of a step where `speculating` requests verify trees of (steps, topk,
+        nodes) and `plain_rows` rows decode plainly beside them: steps - 1 draft passes of
+        topk rows per speculating request, one target pass, one draft extend over the
+        committed tokens. Arguments broadcast (numpy), so one call prices many shapes and
+        set sizes."""
         speculating = np.asarray(speculating, dtype=float)
         decode_rows = speculating * np.asarray(nodes) + np.asarray(plain_rows)  # every row gets logits
         drafting = (np.asarray(steps) - 1) * self.draft(speculating * np.asarray(topk))
         extend = self.draft(speculating * np.asarray(accept_length))
-        passes = self.target(decode_rows + other_rows) + self.logits(decode_rows)
-        return (passes + drafting + extend) * self.corrections["speculative"]
+        return self.target(decode_rows + other_rows) + self.logits(decode_rows) + drafting + extend
 
-    def observe(self, kind: str, predicted_s: float, actual_s: float) -> None:
-        if predicted_s <= 0:
-            return
-        ratio = min(max(actual_s / predicted_s, CORRECTION_RANGE[0]), CORRECTION_RANGE[1])
-        old = self.corrections[kind]
-        # Ratios are of corrected predictions: fold the old factor back in.
-        self.corrections[kind] = old * (CORRECTION_DECAY + (1 - CORRECTION_DECAY) * ratio)
+    def plain_step(self, decode_rows, other_rows: int = 0) -> np.ndarray:
+        """Predicted seconds of a plain step, corrected."""
+        return self.correction(self.plain_passes(decode_rows, other_rows))
+
+    def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length,
+                         other_rows: int = 0) -> np.ndarray:
+        """Predicted seconds of a speculative step, corrected (see speculative_passes)."""
+        passes = self.speculative_passes(nodes, topk, steps, speculating, plain_rows, accept_length, other_rows)
+        return self.correction(passes, speculating)
+
+    def observe(self, passes_s: float, speculating: int, actual_s: float) -> None:
+        self.correction.observe(passes_s, speculating, actual_s)
 
     def to_json(self) -> dict:
         return {"target": self.target.to_json(), "logits": self.logits.to_json(), "draft": self.draft.to_json(),

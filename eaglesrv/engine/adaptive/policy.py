@@ -7,8 +7,7 @@ maximize the expected output tokens per second of the step:
     tokens(s, S) = decoding + (L(s) - 1) * sum of m_i over S
     value(s, S)  = tokens(s, S) / seconds(s, |S|)
 
-When a prefill chunk shares the pass, seconds(s, |S|) is the decode-only plain step plus
-what the option adds to the plain step with the chunk (the chunk itself is not charged).
+A step with a prefill chunk in its pass decodes plainly (see decide).
 
 L(s) is the accept length the acceptance table predicts and m_i request i's multiplier
 (acceptance.py). The step's cost depends on S only through |S|, and the gain is additive,
@@ -40,7 +39,7 @@ class Decision:
     shape: TreeShape | None  # None: plain decoding for everyone
     speculating: tuple[int, ...]  # indices into the eligible list, best multipliers first
     tokens_per_s: float
-    predicted_s: float
+    passes_s: float  # the step's predicted passes, uncorrected: what the correction learns from
 
     @property
     def kind(self) -> str:
@@ -74,30 +73,31 @@ class SpeculationPolicy:
         self._accept_version = -ACCEPT_REFRESH
 
     def decide(self, load: StepLoad) -> Decision:
-        plain_s = float(self.costs.plain_step(load.decoding, load.other_rows))
-        # A prefill chunk in the pass is paid for whatever the decoders do, so an option is
-        # charged only what it adds to the plain step: rates are those of a decode-only
-        # step plus that margin. (Charging the chunk too would make any tree look cheap
-        # beside it, and trees chosen beside prefills slow everyone down.)
-        alone_s = float(self.costs.plain_step(load.decoding, 0))
-        plain = Decision(None, (), load.decoding / alone_s, plain_s)
+        plain = Decision(None, (), load.decoding / float(self.costs.plain_step(load.decoding)),
+                         float(self.costs.plain_passes(load.decoding, load.other_rows)))
         if not load.multipliers:
             return plain  # nobody can speculate: the shape says nothing, keep it
+        if load.other_rows:
+            # Beside a prefill chunk, decode plainly and keep the shape. Trees there were
+            # measured to lose: requests admitted a step earlier pay their draft catch-up
+            # over the whole prompt, and since such steps cannot feed the correction
+            # (cost_model.py), the policy would never learn that cost.
+            return plain
         multipliers = np.asarray(load.multipliers, dtype=float)
         order = np.argsort(-multipliers, kind="stable")
         gains = np.cumsum(multipliers[order])  # [J] summed multipliers of the best j + 1
         sizes = np.arange(1, len(order) + 1)
         accept = self.accept_lengths()  # [S, 1]
-        seconds = self.costs.speculative_step(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
-                                              accept, load.other_rows)  # [S, J]
-        rates = (load.decoding + (accept - 1) * gains) / np.maximum(alone_s + seconds - plain_s, 1e-9)
+        passes = self.costs.speculative_passes(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
+                                               accept)  # [S, J]
+        rates = (load.decoding + (accept - 1) * gains) / self.costs.correction(passes, sizes)
         best_j = rates.argmax(axis=1)
         best_rates = rates[np.arange(len(self.shapes)), best_j]
 
         def option(index: int) -> Decision:
             j = int(best_j[index])
             return Decision(self.shapes[index], tuple(int(i) for i in order[: j + 1]), float(best_rates[index]),
-                            float(seconds[index, j]))
+                            float(passes[index, j]))
 
         top = int(best_rates.argmax())
         best = option(top) if best_rates[top] > plain.tokens_per_s else plain
