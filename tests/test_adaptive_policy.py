@@ -28,13 +28,25 @@ def synthetic_costs(rng: np.random.Generator) -> CostModel:
     return CostModel(CostCurve(ROWS, target), CostCurve(ROWS, logits), CostCurve(ROWS, draft), correction=correction)
 
 
-def synthetic_table(rng: np.random.Generator, depths: int, ranks: int) -> AcceptanceTable:
-    table = AcceptanceTable(depths, ranks)
-    rates = rng.dirichlet(np.ones(ranks + 1), size=depths)[:, :ranks]  # rank shares, plus "no child matches"
-    rates[:, 0] += rng.uniform(0, 1) * (1 - rates.sum(axis=1))  # make the first choice likelier
-    table.hits, table.trials = rates * 100.0, np.full((depths, ranks), 100.0)
+def knee_costs(knee: int, draft_s: float) -> CostModel:
+    """Target passes at 40 ms up to `knee` rows, then growing with rows; a free output layer
+    and a flat draft pass."""
+    return CostModel(CostCurve(ROWS, [0.04 * max(1, r / knee) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
+                     CostCurve(ROWS, [draft_s] * len(ROWS)))
+
+
+def fixed_table(rates: np.ndarray) -> AcceptanceTable:
+    """A table that has seen 100 trials at every (depth, rank), with these hit rates."""
+    table = AcceptanceTable(*rates.shape)
+    table.hits, table.trials = rates * 100.0, np.full(rates.shape, 100.0)
     table.version += 1
     return table
+
+
+def synthetic_table(rng: np.random.Generator, depths: int, ranks: int) -> AcceptanceTable:
+    rates = rng.dirichlet(np.ones(ranks + 1), size=depths)[:, :ranks]  # rank shares, plus "no child matches"
+    rates[:, 0] += rng.uniform(0, 1) * (1 - rates.sum(axis=1))  # make the first choice likelier
+    return fixed_table(rates)
 
 
 def brute_force(shapes, costs: CostModel, table: AcceptanceTable, load: StepLoad) -> float:
@@ -78,11 +90,8 @@ def test_policy_choice_matches_brute_force(seed):
 
 
 def test_policy_goes_plain_under_load_and_speculates_alone():
-    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
-                      CostCurve(ROWS, [0.002] * len(ROWS)))
-    table = AcceptanceTable(5, 8)
-    table.hits, table.trials = np.tile([0.8, 0.1, 0.05, 0, 0, 0, 0, 0], (5, 1)) * 100, np.full((5, 8), 100.0)
-    table.version += 1
+    costs = knee_costs(16, 0.002)
+    table = fixed_table(np.tile([0.8, 0.1, 0.05, 0, 0, 0, 0, 0], (5, 1)))
     policy = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table)
     alone = policy.decide(StepLoad(1, [1.0]))
     assert alone.shape is not None and alone.tokens_per_s > 1 / 0.04 * 2  # better than twice plain decoding
@@ -94,11 +103,7 @@ def test_policy_goes_plain_under_load_and_speculates_alone():
 
 
 def test_a_step_with_a_prefill_chunk_decodes_plainly_and_keeps_the_shape():
-    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
-                      CostCurve(ROWS, [0.002] * len(ROWS)))
-    table = AcceptanceTable(3, 1)
-    table.hits, table.trials = np.full((3, 1), 60.0), np.full((3, 1), 100.0)
-    table.version += 1
+    costs, table = knee_costs(16, 0.002), fixed_table(np.full((3, 1), 0.6))
     policy = SpeculationPolicy(TreeShape.of(3, 1, 4), costs, table, hysteresis=0.0)
     alone = policy.decide(StepLoad(1, [1.0]))
     assert alone.shape is not None  # one request speculates...
@@ -109,9 +114,7 @@ def test_a_step_with_a_prefill_chunk_decodes_plainly_and_keeps_the_shape():
 
 
 def test_hysteresis_keeps_the_shape_until_the_margin_is_passed():
-    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 16) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
-                      CostCurve(ROWS, [0.002] * len(ROWS)))
-    table = AcceptanceTable(5, 8)
+    costs, table = knee_costs(16, 0.002), AcceptanceTable(5, 8)
     policy = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.05)
     free = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.0)
     load = StepLoad(1, [1.0])
@@ -183,11 +186,7 @@ def test_host_cost_per_request_turns_off_speculation_for_many_requests_not_for_o
     # Memory-bound up to 64 rows: 16 requests x (1,1,2) is 32 rows, as cheap as 16. Half
     # the one-token drafts are accepted: without a host cost, 16 speculating requests gain
     # 50%; at 2 ms each (32 ms on a 40 ms step) they lose.
-    costs = CostModel(CostCurve(ROWS, [0.04 * max(1, r / 64) for r in ROWS]), CostCurve(ROWS, [0.0] * len(ROWS)),
-                      CostCurve(ROWS, [0.0] * len(ROWS)))
-    table = AcceptanceTable(1, 1)
-    table.hits, table.trials = np.full((1, 1), 50.0), np.full((1, 1), 100.0)
-    table.version += 1
+    costs, table = knee_costs(64, 0.0), fixed_table(np.full((1, 1), 0.5))
     policy = SpeculationPolicy(TreeShape.of(1, 1, 2), costs, table, hysteresis=0.0)
     assert policy.decide(StepLoad(16, [1.0] * 16)).speculating == tuple(range(16))
     costs.correction = StepCorrection(per_request_s=0.002)

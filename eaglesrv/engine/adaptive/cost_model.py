@@ -59,9 +59,10 @@ class StepCorrection:
     speculating request is a large fraction of a one-request step and a small one of a
     64-request step, so one ratio learnt at one load misprices the others (with 16
     requests in flight on a 2-core CPU, steps running a one-token chain for all 16 took
-    1.4x their ratio-corrected prediction, 94 against 68 ms). Fitted by decayed least squares on relative errors (each step weighs
-    alike whatever its length), with a weak prior at (1, 0) so that it is defined from the
-    first step and stays so while only one kind of step is seen."""
+    1.4x their ratio-corrected prediction, 94 against 68 ms). Fitted by decayed least
+    squares on relative errors (each step weighs alike whatever its length), with a weak
+    prior at (1, 0) so that it is defined from the first step and stays so while only one
+    kind of step is seen."""
 
     factor: float = 1.0
     per_request_s: float = 0.0
@@ -98,8 +99,7 @@ class CostModel:
         decode_rows = np.asarray(decode_rows)
         return self.target(decode_rows + other_rows) + self.logits(decode_rows)
 
-    def speculative_passes(self, nodes, topk, steps, speculating, plain_rows, accept_length,
-                           other_rows: int = 0) -> np.ndarray:
+    def speculative_passes(self, nodes, topk, steps, speculating, plain_rows, accept_length) -> np.ndarray:
         """The passes of a step where `speculating` requests verify trees of (steps, topk,
         nodes) and `plain_rows` rows decode plainly beside them: steps - 1 draft passes of
         topk rows per speculating request, one target pass, one draft extend over the
@@ -109,16 +109,15 @@ class CostModel:
         decode_rows = speculating * np.asarray(nodes) + np.asarray(plain_rows)  # every row gets logits
         drafting = (np.asarray(steps) - 1) * self.draft(speculating * np.asarray(topk))
         extend = self.draft(speculating * np.asarray(accept_length))
-        return self.target(decode_rows + other_rows) + self.logits(decode_rows) + drafting + extend
+        return self.target(decode_rows) + self.logits(decode_rows) + drafting + extend
 
     def plain_step(self, decode_rows, other_rows: int = 0) -> np.ndarray:
         """Predicted seconds of a plain step, corrected."""
         return self.correction(self.plain_passes(decode_rows, other_rows))
 
-    def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length,
-                         other_rows: int = 0) -> np.ndarray:
+    def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length) -> np.ndarray:
         """Predicted seconds of a speculative step, corrected (see speculative_passes)."""
-        passes = self.speculative_passes(nodes, topk, steps, speculating, plain_rows, accept_length, other_rows)
+        passes = self.speculative_passes(nodes, topk, steps, speculating, plain_rows, accept_length)
         return self.correction(passes, speculating)
 
     def observe(self, passes_s: float, speculating: int, actual_s: float) -> None:
