@@ -182,6 +182,48 @@ def test_correction_separates_the_pass_factor_from_the_host_cost_per_speculating
     assert StepCorrection()(0.05, 3) == pytest.approx(0.05)  # the prior: no correction
 
 
+def test_a_plain_spell_does_not_erase_what_speculative_steps_taught():
+    correction = StepCorrection()
+    for step in range(60):  # speculating steps of 4 or 16 requests: 2 ms of host cost each
+        passes, speculating = (0.03, 4) if step % 2 else (0.05, 16)
+        correction.observe(passes, speculating, 1.2 * passes + 0.002 * speculating)
+    learnt = correction.per_request_s
+    assert learnt == pytest.approx(0.002, rel=0.1)
+    for _ in range(2000):  # a long plain spell, on a machine that has become 10% slower
+        correction.observe(0.05, 0, 1.32 * 0.05)
+    assert correction.factor == pytest.approx(1.32, rel=0.03)
+    assert correction.per_request_s > 0.5 * learnt  # still known: no switch back just to relearn it
+
+
+def test_catch_up_is_priced_and_spread_over_the_steps_it_serves():
+    # 16 requests, memory-bound to 64 rows: a one-token chain gains 50% for free...
+    costs, table = knee_costs(64, 0.0), fixed_table(np.full((1, 1), 0.5))
+    costs.draft = CostCurve([1, 1024], [0.002, 0.04])  # a catch-up over 1,024 tokens: 40 ms
+    policy = SpeculationPolicy(TreeShape.of(1, 1, 2), costs, table, hysteresis=0.0)
+    assert policy.decide(StepLoad(16, [1.0] * 16)).shape is not None
+    # ...but not when each must first catch up on a 2,000-token prompt, within this reply:
+    # 32,000 tokens, 1.25 s, for 8 extra tokens a step over at most 16 steps.
+    long = policy.decide(StepLoad(16, [1.0] * 16, backlogs=[2000] * 16))
+    assert long.shape is None
+    # Short backlogs are cheap; among equals, the requests with the shorter ones go first.
+    mixed = policy.decide(StepLoad(4, [1.0] * 4, backlogs=[5000, 2, 2, 5000]))
+    assert mixed.shape is not None and sorted(mixed.speculating) == [1, 2]
+    assert mixed.catch_up_s == pytest.approx(float(costs.catch_up(4)))
+    # A request about to finish has few steps left to repay its catch-up.
+    one = SpeculationPolicy(TreeShape.of(1, 1, 2), costs, table, hysteresis=0.0)
+    assert one.decide(StepLoad(1, [1.0], backlogs=[1000], remaining=[1000])).shape is not None
+    assert one.decide(StepLoad(1, [1.0], backlogs=[1000], remaining=[1])).shape is None
+
+
+def test_catch_up_cost_learns_from_the_catch_ups_seen():
+    costs = knee_costs(16, 0.0)
+    costs.draft = CostCurve([1, 1024], [0.002, 0.04])
+    assert float(costs.catch_up(0)) == 0.0 and float(costs.catch_up(1024)) == pytest.approx(0.04)
+    for _ in range(30):
+        costs.observe_catch_up(2048, 0.16)  # twice the draft curve's price
+    assert float(costs.catch_up(1024)) == pytest.approx(0.08, rel=0.02)
+
+
 def test_host_cost_per_request_turns_off_speculation_for_many_requests_not_for_one():
     # Memory-bound up to 64 rows: 16 requests x (1,1,2) is 32 rows, as cheap as 16. Half
     # the one-token drafts are accepted: without a host cost, 16 speculating requests gain

@@ -9,10 +9,15 @@ verification `nodes` rows per request, a draft pass topk rows per speculating re
 The measured passes leave out what a real step adds. `correction` learns it from the
 step times seen (StepCorrection): a factor on the passes (contexts other than the measured
 one, attention over many short spans) and a fixed host cost per speculating request (tree
-building, acceptance, compaction, the draft's catch-up over a backlog). Only steps without
-prefill chunks feed it: a chunk's cost depends on its own length and context, which the
-decode-shaped measurement does not model, and letting it in would make plain decoding look
-dearer than it is whenever requests arrive.
+building, acceptance, compaction). Only steps without prefill chunks feed it: a chunk's
+cost depends on its own length and context, which the decode-shaped measurement does not
+model, and letting it in would make plain decoding look dearer than it is whenever
+requests arrive.
+
+The draft's catch-up over a backlog (backlog.py) is priced apart (`catch_up`: a draft
+pass over the backlog tokens, times a learnt ratio): it is paid once, in the step where a
+request starts speculating, and its size varies from a few tokens to a whole prompt,
+which a per-request constant cannot fit.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ FACTOR_RANGE = (0.5, 3.0)
 PER_REQUEST_RANGE_S = (0.0, 0.05)
 PRIOR_WEIGHT = 0.1  # the prior (factor 1, no host cost) weighs a tenth of one step: it only keeps the fit defined
 PER_REQUEST_SCALE_S = 0.01  # a host cost this large is as far from the prior as a factor of 2
+CATCH_UP_DECAY = 0.8  # per observed catch-up: the per-token cost follows the last few
 
 
 @dataclass
@@ -62,12 +68,19 @@ class StepCorrection:
     1.4x their ratio-corrected prediction, 94 against 68 ms). Fitted by decayed least
     squares on relative errors (each step weighs alike whatever its length), with a weak
     prior at (1, 0) so that it is defined from the first step and stays so while only one
-    kind of step is seen."""
+    kind of step is seen.
+
+    Plain and speculative steps keep their evidence apart, each decayed only by steps of
+    its own kind. Only speculative steps say anything about the host cost, and with one
+    shared decay a long plain spell faded that evidence back to the prior (no host cost):
+    speculation then looked cheap again, the server switched to it, relearnt its cost and
+    switched back, every few seconds (seen at 16 requests in flight on a 2-core CPU)."""
 
     factor: float = 1.0
     per_request_s: float = 0.0
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    # [plain, speculative] normal equations of the least squares
+    _gram: np.ndarray = field(default_factory=lambda: np.zeros((2, 2, 2)))
+    _moment: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
 
     def __call__(self, passes_s, speculating=0) -> np.ndarray:
         return self.factor * np.asarray(passes_s) + self.per_request_s * np.asarray(speculating)
@@ -76,10 +89,12 @@ class StepCorrection:
         if passes_s <= 0 or actual_s <= 0:
             return
         x = np.array([passes_s, speculating]) / actual_s  # the equation x . (factor, h) = 1
-        self._gram = CORRECTION_DECAY * self._gram + np.outer(x, x)
-        self._moment = CORRECTION_DECAY * self._moment + x
+        kind = int(speculating > 0)
+        self._gram[kind] = CORRECTION_DECAY * self._gram[kind] + np.outer(x, x)
+        self._moment[kind] = CORRECTION_DECAY * self._moment[kind] + x
         prior = PRIOR_WEIGHT * np.diag([1.0, 1.0 / PER_REQUEST_SCALE_S**2])
-        factor, per_request_s = np.linalg.solve(self._gram + prior, self._moment + prior @ np.array([1.0, 0.0]))
+        factor, per_request_s = np.linalg.solve(self._gram.sum(0) + prior,
+                                                self._moment.sum(0) + prior @ np.array([1.0, 0.0]))
         self.factor = float(np.clip(factor, *FACTOR_RANGE))
         self.per_request_s = float(np.clip(per_request_s, *PER_REQUEST_RANGE_S))
 
@@ -94,6 +109,18 @@ class CostModel:
     draft: CostCurve  # one draft pass, by rows
     context_tokens: int = 0  # cached tokens per request while measuring
     correction: StepCorrection = field(default_factory=StepCorrection)
+    catch_up_factor: float = 1.0  # actual catch-up seconds over the draft curve's price, learnt
+
+    def catch_up(self, tokens) -> np.ndarray:
+        """Seconds of the draft's catch-up over `tokens` backlog tokens in all (one draft
+        pass over them; nothing when there are none)."""
+        tokens = np.asarray(tokens, dtype=float)
+        return np.where(tokens > 0, self.catch_up_factor * self.draft(np.maximum(tokens, 1)), 0.0)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            ratio = float(np.clip(seconds / float(self.draft(tokens)), *FACTOR_RANGE))
+            self.catch_up_factor = CATCH_UP_DECAY * self.catch_up_factor + (1 - CATCH_UP_DECAY) * ratio
 
     def plain_passes(self, decode_rows, other_rows: int = 0) -> np.ndarray:
         decode_rows = np.asarray(decode_rows)

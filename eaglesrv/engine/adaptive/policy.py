@@ -5,14 +5,22 @@ larger than the configured one) and the set S of requests that speculate with it
 maximize the expected output tokens per second of the step:
 
     tokens(s, S) = decoding + (L(s) - 1) * sum of m_i over S
-    value(s, S)  = tokens(s, S) / seconds(s, |S|)
+    value(s, S)  = tokens(s, S) / (seconds(s, |S|) + catch-up(S))
 
 A step with a prefill chunk in its pass decodes plainly (see decide).
 
 L(s) is the accept length the acceptance table predicts and m_i request i's multiplier
-(acceptance.py). The step's cost depends on S only through |S|, and the gain is additive,
-so for each size j the best S is the j requests with the largest m_i: the search runs over
-shapes and j only, all at once with numpy (tests check it against every subset).
+(acceptance.py). catch-up(S) is the draft's catch-up over the backlogs of the requests in
+S (backlog.py), spread over the steps it serves: the next CATCH_UP_HORIZON, or fewer when
+the reply ends sooner. Without it, switching 16 requests to a chain for a predicted 2-7%
+gain first paid a draft pass over their whole prompts, 157 ms on a 2-core CPU.
+
+Apart from the catch-up, the step's cost depends on S only through |S| and the gain is
+additive, so for each size j the best S is the j requests with the largest m_i (shorter
+backlogs first among equals): the search runs over shapes and j only, all at once with
+numpy. Tests check it against every subset when no request has a backlog; with backlogs
+it is a heuristic, since a request may gain a little more than another yet cost a much
+longer catch-up.
 
 Hysteresis: the shape changes only when the best value beats the current shape's own best
 value by more than `hysteresis` (a fraction), so that noise in the estimates does not make
@@ -31,6 +39,7 @@ from eaglesrv.engine.adaptive.cost_model import CostModel
 from eaglesrv.engine.eagle3.shape import TreeShape, candidate_shapes
 
 HYSTERESIS = 0.05
+CATCH_UP_HORIZON = 16  # steps a catch-up is spread over (what it buys lasts until the request stops speculating)
 ACCEPT_REFRESH = 16  # verifications between recomputing every shape's predicted accept length
 
 
@@ -40,6 +49,7 @@ class Decision:
     speculating: tuple[int, ...]  # indices into the eligible list, best multipliers first
     tokens_per_s: float
     passes_s: float  # the step's predicted passes, uncorrected: what the correction learns from
+    catch_up_s: float = 0.0  # predicted catch-up paid in this step, in full
 
     @property
     def kind(self) -> str:
@@ -56,6 +66,8 @@ class StepLoad:
     decoding: int  # requests decoding one token (eligible or not)
     multipliers: Sequence[float]  # per eligible decoding request (may speculate)
     other_rows: int = 0  # prefill-chunk tokens computed in the same pass
+    backlogs: Sequence[int] = ()  # per eligible request, tokens its draft must catch up on first (none if empty)
+    remaining: Sequence[int] = ()  # per eligible request, tokens it may still generate (unbounded if empty)
 
 
 class SpeculationPolicy:
@@ -84,20 +96,27 @@ class SpeculationPolicy:
             # (cost_model.py), the policy would never learn that cost.
             return plain
         multipliers = np.asarray(load.multipliers, dtype=float)
-        order = np.argsort(-multipliers, kind="stable")
+        backlogs = np.asarray(load.backlogs, dtype=float) if len(load.backlogs) else np.zeros(len(multipliers))
+        horizons = np.clip(np.asarray(load.remaining, dtype=float) if len(load.remaining) else CATCH_UP_HORIZON,
+                           1, CATCH_UP_HORIZON)
+        order = np.lexsort((backlogs, -multipliers))  # best multiplier first, then shortest backlog
         gains = np.cumsum(multipliers[order])  # [J] summed multipliers of the best j + 1
         sizes = np.arange(1, len(order) + 1)
+        paid_tokens = np.cumsum(backlogs[order])  # [J] caught up in this step
+        spread_tokens = np.cumsum((backlogs / horizons)[order])  # [J] the share this step is charged
+        paid_s = self.costs.catch_up(paid_tokens)
+        spread_s = paid_s * spread_tokens / np.maximum(paid_tokens, 1)
         accept = self.accept_lengths()  # [S, 1]
         passes = self.costs.speculative_passes(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
                                                accept)  # [S, J]
-        rates = (load.decoding + (accept - 1) * gains) / self.costs.correction(passes, sizes)
+        rates = (load.decoding + (accept - 1) * gains) / (self.costs.correction(passes, sizes) + spread_s)
         best_j = rates.argmax(axis=1)
         best_rates = rates[np.arange(len(self.shapes)), best_j]
 
         def option(index: int) -> Decision:
             j = int(best_j[index])
             return Decision(self.shapes[index], tuple(int(i) for i in order[: j + 1]), float(best_rates[index]),
-                            float(passes[index, j]))
+                            float(passes[index, j]), float(paid_s[j]))
 
         top = int(best_rates.argmax())
         best = option(top) if best_rates[top] > plain.tokens_per_s else plain

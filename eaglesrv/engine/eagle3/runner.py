@@ -112,9 +112,9 @@ class Eagle3Runner:
         else:
             decision = self._decide(seqs, eligible)
             shape, speculating = decision.shape, sorted(eligible[k] for k in decision.speculating)
-        started = time.perf_counter()
         if speculating and self.adaptive is not None:
-            self._catch_up([seqs[i] for i in speculating])  # 0. draft up to date first
+            self._catch_up([seqs[i] for i in speculating])  # 0. draft up to date first (timed apart)
+        started = time.perf_counter()
         trees = self._draft(shape, [seqs[i] for i in speculating]) if speculating else None
         tree_row = {seq_index: row for row, seq_index in enumerate(speculating)}
         num_nodes = trees.num_nodes if trees is not None else 0
@@ -160,7 +160,9 @@ class Eagle3Runner:
         decoding = sum(1 for seq in seqs if seq.sample and len(seq.token_ids) == 1)
         other_rows = sum(len(seq.token_ids) for seq in seqs) - decoding
         ids = [seqs[i].request_id for i in eligible]
-        load = StepLoad(decoding, [self.adaptive.acceptance.multiplier(rid) for rid in ids], other_rows)
+        load = StepLoad(decoding, [self.adaptive.acceptance.multiplier(rid) for rid in ids], other_rows,
+                        backlogs=[self.adaptive.backlog.length(rid) for rid in ids],
+                        remaining=[_remaining_tokens(seqs[i]) for i in eligible])
         return self.adaptive.decide(load, ids)
 
     # ---- 1. drafting ------------------------------------------------------------------
@@ -192,7 +194,9 @@ class Eagle3Runner:
                 start, tokens, features = held
                 entries.append(_ExtendEntry(seq, start, tokens, features, keeps_root=True))
         if entries:
+            started = time.perf_counter()
             self._draft_extend(entries)
+            self.adaptive.costs.observe_catch_up(sum(len(e.tokens) for e in entries), time.perf_counter() - started)
 
     def _draft(self, shape: TreeShape, seqs: list[SequenceWork]) -> DraftTree:
         k = shape.topk
@@ -362,3 +366,11 @@ def _scratch_mask(root: int, ancestry: torch.Tensor, k: int) -> torch.Tensor:
     columns = ancestry + torch.arange(depth) * k
     scratch[torch.arange(k)[:, None], columns] = True
     return torch.cat([torch.ones(k, root, dtype=torch.bool), scratch], dim=1)
+
+
+def _remaining_tokens(seq: SequenceWork) -> int:
+    """Tokens the request may still generate (its context limit when max_tokens is unset)."""
+    by_context = seq.max_context_len - seq.num_cached
+    if seq.params.max_tokens is None:
+        return by_context
+    return min(by_context, seq.params.max_tokens - len(seq.output_token_ids))
