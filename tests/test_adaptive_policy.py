@@ -244,3 +244,21 @@ def test_candidate_shapes_stay_inside_the_configured_tree():
     assert all(s.fits_in(largest) for s in shapes)
     assert candidate_shapes(TreeShape.of(3, 1, 4)) == [TreeShape.of(1, 1, 2), TreeShape.of(2, 1, 3),
                                                        TreeShape.of(3, 1, 4)]
+
+
+def test_backlog_holds_every_piece_in_order_across_growth():
+    import torch
+
+    from eaglesrv.engine.adaptive.backlog import FeatureBacklog
+
+    backlog = FeatureBacklog()
+    features = torch.randn(300, 6)
+    backlog.add("a", 10, list(range(100)), features[:100])  # a prompt, then one token a step
+    for i in range(100, 300):
+        backlog.add("a", 10 + i, [i], features[i : i + 1])
+    assert backlog.length("a") == 300 and backlog.end("a") == 310
+    with pytest.raises(AssertionError):
+        backlog.add("a", 400, [0], features[:1])  # a gap would desynchronize the draft
+    start, tokens, held = backlog.take("a")
+    assert start == 10 and tokens == list(range(300)) and torch.equal(held, features)
+    assert backlog.take("a") is None and len(backlog) == 0

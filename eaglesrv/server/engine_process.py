@@ -12,6 +12,7 @@ the inbox reaches EOF and the loop ends as well.
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import signal
@@ -118,6 +119,10 @@ def _load_engine(config: EngineConfig):
 
     engine = Engine(config)
     engine.warmup()  # the first forward in a process is slow; pay for it before serving
+    # What start-up made (weights, modules, tokenizer) lives as long as the process: keep
+    # the collector's full passes from walking it again and again while serving.
+    gc.collect()
+    gc.freeze()
     return engine
 
 

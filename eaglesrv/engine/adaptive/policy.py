@@ -11,8 +11,9 @@ A step with a prefill chunk in its pass decodes plainly (see decide).
 
 L(s) is the accept length the acceptance table predicts and m_i request i's multiplier
 (acceptance.py). catch-up(S) is the draft's catch-up over the backlogs of the requests in
-S (backlog.py), spread over the steps it serves: the next CATCH_UP_HORIZON, or fewer when
-the reply ends sooner. Without it, switching 16 requests to a chain for a predicted 2-7%
+S (backlog.py): one draft pass over their backlogs, whose fixed cost is charged in full and
+the rest spread over the steps it serves (the next CATCH_UP_HORIZON, or fewer when the
+reply ends sooner). Without it, switching 16 requests to a chain for a predicted 2-7%
 gain first paid a draft pass over their whole prompts, 157 ms on a 2-core CPU.
 
 Apart from the catch-up, the step's cost depends on S only through |S| and the gain is
@@ -105,7 +106,10 @@ class SpeculationPolicy:
         paid_tokens = np.cumsum(backlogs[order])  # [J] caught up in this step
         spread_tokens = np.cumsum((backlogs / horizons)[order])  # [J] the share this step is charged
         paid_s = self.costs.catch_up(paid_tokens)
-        spread_s = paid_s * spread_tokens / np.maximum(paid_tokens, 1)
+        # The pass's fixed cost recurs at every return from a plain spell, however short:
+        # only the rest, which grows with the tokens, is spread.
+        fixed_s = self.costs.catch_up(np.minimum(paid_tokens, 1))
+        spread_s = fixed_s + (paid_s - fixed_s) * spread_tokens / np.maximum(paid_tokens, 1)
         accept = self.accept_lengths()  # [S, 1]
         passes = self.costs.speculative_passes(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
                                                accept)  # [S, J]
