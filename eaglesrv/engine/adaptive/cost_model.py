@@ -31,7 +31,7 @@ FACTOR_RANGE = (0.5, 3.0)
 PER_REQUEST_RANGE_S = (0.0, 0.05)
 PRIOR_WEIGHT = 0.1  # the prior (factor 1, no host cost) weighs a tenth of one step: it only keeps the fit defined
 PER_REQUEST_SCALE_S = 0.01  # a host cost this large is as far from the prior as a factor of 2
-CATCH_UP_DECAY = 0.8  # per observed catch-up: the per-token cost follows the last few
+CATCH_UP_DECAY = 0.8  # per observed catch-up: the learnt ratio follows the last few
 
 
 @dataclass
