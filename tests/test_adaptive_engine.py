@@ -49,6 +49,12 @@ class ScriptedPolicy:
         return Decision(shape if count else None, tuple(range(count)), 0.0, 0.0)
 
 
+def use_script(engine, script) -> None:
+    """The script decides every step: plain decisions are not repeated without it."""
+    engine.runner.adaptive.policy = ScriptedPolicy(script)
+    engine.runner.adaptive.repeat_plain = lambda decoding, eligible_ids: None
+
+
 SWITCHING = [(None, 1), (TreeShape.of(3, 1, 4), 1), (TreeShape.of(5, 8, 32), 0.5), (None, 1), (None, 1),
              (TreeShape.of(2, 2, 4), 1), (TreeShape.of(5, 8, 32), 1), (TreeShape.of(4, 4, 16), 0.34)]
 
@@ -58,7 +64,7 @@ def test_greedy_equals_plain_while_the_mode_switches_every_step(tiny_llama_dir, 
     plain = Engine(engine_config(tiny_llama_dir))
     expected = run_staggered(plain, prompts, GREEDY, every=2)
     engine = adaptive_engine(tiny_llama_dir, head_dir)
-    engine.runner.adaptive.policy = ScriptedPolicy(SWITCHING)
+    use_script(engine, SWITCHING)
     assert run_staggered(engine, prompts, GREEDY, every=2) == expected
     stats = engine.spec_stats
     assert stats["spec_verifications"] > 0 and stats["spec_steps_plain"] > 0 and stats["spec_steps_speculative"] > 0
@@ -84,7 +90,7 @@ def test_draft_kv_after_a_plain_spell_equals_always_drafting(tiny_llama_dir, hea
     prefilled the same tokens with the draft running."""
     prompt = random_prompts([20], 256, seed=7)[0]
     engine = adaptive_engine(tiny_llama_dir, head_dir, (3, 2, 6))
-    engine.runner.adaptive.policy = ScriptedPolicy([(None, 1)] * 13 + [(TreeShape.of(3, 2, 6), 1)])
+    use_script(engine, [(None, 1)] * 13 + [(TreeShape.of(3, 2, 6), 1)])
     request_id = engine.add_request(prompt, GREEDY.replace(max_tokens=40))
     outputs = []
     for _ in range(14):

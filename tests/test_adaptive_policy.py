@@ -253,12 +253,45 @@ def test_backlog_holds_every_piece_in_order_across_growth():
 
     backlog = FeatureBacklog()
     features = torch.randn(300, 6)
-    backlog.add("a", 10, list(range(100)), features[:100])  # a prompt, then one token a step
+    assert backlog.hold("a", 10, list(range(100)), features[:100]) == 100  # a prompt, then one token a step
     for i in range(100, 300):
-        backlog.add("a", 10 + i, [i], features[i : i + 1])
+        assert backlog.hold("a", 10 + i, [i], features[i : i + 1]) == i + 1
     assert backlog.length("a") == 300 and backlog.end("a") == 310
-    with pytest.raises(AssertionError):
-        backlog.add("a", 400, [0], features[:1])  # a gap would desynchronize the draft
     start, tokens, held = backlog.take("a")
     assert start == 10 and tokens == list(range(300)) and torch.equal(held, features)
     assert backlog.take("a") is None and len(backlog) == 0
+
+
+def test_backlog_restarts_where_a_recomputed_request_resumes():
+    """A preempted request recomputes from an earlier position: what was held past it
+    would desynchronize the draft, so the backlog starts over there."""
+    import torch
+
+    from eaglesrv.engine.adaptive.backlog import FeatureBacklog
+
+    backlog = FeatureBacklog()
+    features = torch.randn(50, 6)
+    backlog.hold("a", 0, list(range(40)), features[:40])
+    assert backlog.hold("a", 20, list(range(10)), features[40:]) == 10
+    start, tokens, held = backlog.take("a")
+    assert start == 20 and tokens == list(range(10)) and torch.equal(held, features[40:])
+
+
+def test_a_plain_spell_repeats_its_decision_only_while_the_load_stands():
+    from eaglesrv.engine.adaptive.controller import PLAIN_RECHECK_STEPS, AdaptiveSpeculation
+
+    adaptive = AdaptiveSpeculation(TreeShape.of(5, 8, 32), knee_costs(16, 0.002))
+    searches = []
+    search = adaptive.policy.decide
+    adaptive.policy.decide = lambda load: searches.append(load.decoding) or search(load)
+    ids = [f"r{i}" for i in range(64)]
+    assert adaptive.decide(StepLoad(64, [1.0] * 64), ids).shape is None  # 64 trees would cost far more
+    repeats = [adaptive.repeat_plain(64, ids) for _ in range(PLAIN_RECHECK_STEPS + 1)]
+    assert all(r is adaptive.last for r in repeats[:-1]) and repeats[-1] is None  # then searched again
+    assert adaptive.steps["plain"] == 1 + PLAIN_RECHECK_STEPS and searches == [64]
+    adaptive.decide(StepLoad(64, [1.0] * 64), ids)
+    assert adaptive.repeat_plain(63, ids[:63]) is None  # a request finished: the load changed
+    alone = adaptive.decide(StepLoad(1, [1.0]), ids[:1])
+    assert alone.shape is not None and adaptive.repeat_plain(1, ids[:1]) is None  # only plain repeats
+    adaptive.decide(StepLoad(64, [1.0] * 64, other_rows=100), ids)
+    assert adaptive.repeat_plain(64, ids) is None  # a step beside a prefill chunk is not repeated

@@ -47,22 +47,19 @@ class FeatureBacklog:
         self.limit = limit
         self._held: dict[str, Backlog] = {}
 
-    def add(self, request_id: str, position: int, tokens: list[int], features: torch.Tensor) -> None:
-        """Hold draft positions position .. position + len(tokens) - 1."""
+    def hold(self, request_id: str, position: int, tokens: list[int], features: torch.Tensor) -> int:
+        """Add one step's entries; a backlog that ends elsewhere is dropped first (its
+        request was recomputed from an earlier position: preemption). Returns the tokens
+        now held."""
         held = self._held.get(request_id)
-        if held is None:
+        if held is None or held.end != position:
             held = self._held[request_id] = Backlog(position)
-        elif held.end != position:
-            raise AssertionError(f"backlog of {request_id} ends at {held.end}, not {position}")
         held.append(tokens, features)
+        return len(held.tokens)
 
     def end(self, request_id: str) -> int | None:
         held = self._held.get(request_id)
         return held.end if held is not None else None
-
-    def start(self, request_id: str) -> int | None:
-        held = self._held.get(request_id)
-        return held.start if held is not None else None
 
     def length(self, request_id: str) -> int:
         held = self._held.get(request_id)

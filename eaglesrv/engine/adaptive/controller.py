@@ -15,6 +15,7 @@ from eaglesrv.engine.eagle3.shape import TreeShape
 logger = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 2.0  # mode changes are logged at most this often (the stats line shows the rest)
+PLAIN_RECHECK_STEPS = 3  # steps a plain decision may be repeated without a search (see repeat_plain)
 
 
 class AdaptiveSpeculation:
@@ -28,6 +29,8 @@ class AdaptiveSpeculation:
         self.steps = {"plain": 0, "speculative": 0}
         self._logged_shape: object = "unset"
         self._logged_at = 0.0
+        self._plain_decoding: int | None = None  # requests decoding at the last searched plain step
+        self._repeats = 0  # steps that repeated that decision since
 
     def restart(self) -> "AdaptiveSpeculation":
         """The same measured costs with nothing learnt: after warm-up, whose first-call
@@ -35,10 +38,32 @@ class AdaptiveSpeculation:
         fresh = CostModel(self.costs.target, self.costs.logits, self.costs.draft, self.costs.context_tokens)
         return AdaptiveSpeculation(self.largest, fresh, self.policy.hysteresis)
 
+    def repeat_plain(self, decoding: int, eligible_ids: list[str]) -> Decision | None:
+        """The last decision again, without a search, when it chose plain decoding for a
+        decode-only step of the same number of requests at most PLAIN_RECHECK_STEPS ago;
+        else None (search). A long plain spell is where the search costs most against
+        what it can change: it was about 1% of a 64-request step on a 2-core CPU, and a
+        change of load (a request finishing or arriving) searches again at once."""
+        last = self.last
+        if (last is None or last.shape is not None or self._plain_decoding != decoding
+                or self._repeats >= PLAIN_RECHECK_STEPS):
+            return None
+        self._repeats += 1
+        self._record(last, decoding, eligible_ids)
+        return last
+
     def decide(self, load: StepLoad, eligible_ids: list[str]) -> Decision:
         decision = self.policy.decide(load)
         if not load.decoding:
             return decision  # a prefill-only step: nothing was chosen, nothing to record
+        # Only a decode-only plain step may be repeated: beside a prefill chunk the step's
+        # passes differ, and the chunk's request joins the decoding ones next step.
+        self._plain_decoding = load.decoding if decision.shape is None and not load.other_rows else None
+        self._repeats = 0
+        self._record(decision, load.decoding, eligible_ids)
+        return decision
+
+    def _record(self, decision: Decision, decoding: int, eligible_ids: list[str]) -> None:
         chosen = set(decision.speculating)
         self.acceptance.relax(rid for index, rid in enumerate(eligible_ids) if index not in chosen)
         self.last = decision
@@ -46,9 +71,8 @@ class AdaptiveSpeculation:
         now = time.monotonic()
         if decision.shape != self._logged_shape and now - self._logged_at >= LOG_INTERVAL_S:
             logger.info("speculation: %s of %d decoding (predicted %.0f tok/s)", decision.describe(),
-                        load.decoding, decision.tokens_per_s)
+                        decoding, decision.tokens_per_s)
             self._logged_shape, self._logged_at = decision.shape, now
-        return decision
 
     def observe(self, decision: Decision, seconds: float) -> None:
         self.costs.observe(decision.passes_s, len(decision.speculating), seconds)

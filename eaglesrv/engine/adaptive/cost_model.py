@@ -78,9 +78,12 @@ class StepCorrection:
 
     factor: float = 1.0
     per_request_s: float = 0.0
-    # [plain, speculative] normal equations of the least squares
-    _gram: np.ndarray = field(default_factory=lambda: np.zeros((2, 2, 2)))
-    _moment: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
+    # Per kind [plain, speculative], the decayed normal equations of the least squares:
+    # (g00, g01, g11) of the symmetric 2x2 Gram matrix and (m0, m1) of the moment. Plain
+    # floats: this runs after every decode step, and numpy's per-call cost on 2x2 arrays
+    # was most of its time.
+    _gram: list = field(default_factory=lambda: [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    _moment: list = field(default_factory=lambda: [[0.0, 0.0], [0.0, 0.0]])
 
     def __call__(self, passes_s, speculating=0) -> np.ndarray:
         return self.factor * np.asarray(passes_s) + self.per_request_s * np.asarray(speculating)
@@ -88,15 +91,22 @@ class StepCorrection:
     def observe(self, passes_s: float, speculating: int, actual_s: float) -> None:
         if passes_s <= 0 or actual_s <= 0:
             return
-        x = np.array([passes_s, speculating]) / actual_s  # the equation x . (factor, h) = 1
+        x0, x1 = passes_s / actual_s, speculating / actual_s  # the equation x . (factor, h) = 1
         kind = int(speculating > 0)
-        self._gram[kind] = CORRECTION_DECAY * self._gram[kind] + np.outer(x, x)
-        self._moment[kind] = CORRECTION_DECAY * self._moment[kind] + x
-        prior = PRIOR_WEIGHT * np.diag([1.0, 1.0 / PER_REQUEST_SCALE_S**2])
-        factor, per_request_s = np.linalg.solve(self._gram.sum(0) + prior,
-                                                self._moment.sum(0) + prior @ np.array([1.0, 0.0]))
-        self.factor = float(np.clip(factor, *FACTOR_RANGE))
-        self.per_request_s = float(np.clip(per_request_s, *PER_REQUEST_RANGE_S))
+        g, m = self._gram[kind], self._moment[kind]
+        g[0], g[1], g[2] = CORRECTION_DECAY * g[0] + x0 * x0, CORRECTION_DECAY * g[1] + x0 * x1, \
+            CORRECTION_DECAY * g[2] + x1 * x1
+        m[0], m[1] = CORRECTION_DECAY * m[0] + x0, CORRECTION_DECAY * m[1] + x1
+        # Both kinds' equations plus the prior at (1, 0), solved in closed form (Cramer).
+        a = self._gram[0][0] + self._gram[1][0] + PRIOR_WEIGHT
+        b = self._gram[0][1] + self._gram[1][1]
+        d = self._gram[0][2] + self._gram[1][2] + PRIOR_WEIGHT / PER_REQUEST_SCALE_S**2
+        r0 = self._moment[0][0] + self._moment[1][0] + PRIOR_WEIGHT
+        r1 = self._moment[0][1] + self._moment[1][1]
+        det = a * d - b * b  # > 0: the prior makes the matrix positive definite
+        factor, per_request_s = (d * r0 - b * r1) / det, (a * r1 - b * r0) / det
+        self.factor = min(max(factor, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+        self.per_request_s = min(max(per_request_s, PER_REQUEST_RANGE_S[0]), PER_REQUEST_RANGE_S[1])
 
     def to_json(self) -> dict:
         return {"factor": self.factor, "per_request_ms": 1e3 * self.per_request_s}

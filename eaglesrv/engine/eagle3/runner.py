@@ -159,10 +159,19 @@ class Eagle3Runner:
     def _decide(self, seqs: list[SequenceWork], eligible: list[int]):
         decoding = sum(1 for seq in seqs if seq.sample and len(seq.token_ids) == 1)
         other_rows = sum(len(seq.token_ids) for seq in seqs) - decoding
-        ids = [seqs[i].request_id for i in eligible]
-        load = StepLoad(decoding, [self.adaptive.acceptance.multiplier(rid) for rid in ids], other_rows,
-                        backlogs=[self.adaptive.backlog.length(rid) for rid in ids],
-                        remaining=[_remaining_tokens(seqs[i]) for i in eligible])
+        if not other_rows:
+            repeated = self.adaptive.repeat_plain(decoding, [seqs[i].request_id for i in eligible])
+            if repeated is not None:
+                return repeated
+        ids, multipliers, backlogs, remaining = [], [], [], []
+        multiplier, backlog_length = self.adaptive.acceptance.multiplier, self.adaptive.backlog.length
+        for i in eligible:
+            rid = seqs[i].request_id
+            ids.append(rid)
+            multipliers.append(multiplier(rid))
+            backlogs.append(backlog_length(rid))
+            remaining.append(_remaining_tokens(seqs[i]))
+        load = StepLoad(decoding, multipliers, other_rows, backlogs=backlogs, remaining=remaining)
         return self.adaptive.decide(load, ids)
 
     # ---- 1. drafting ------------------------------------------------------------------
@@ -179,8 +188,10 @@ class Eagle3Runner:
     def _draft_is_current(self, seq: SequenceWork) -> bool:
         """The draft has seen every committed token: its root state sits at the root, or
         (adaptive) the backlog holds exactly the rest."""
-        if self.adaptive is not None and self.adaptive.backlog.end(seq.request_id) is not None:
-            return self.adaptive.backlog.end(seq.request_id) == seq.num_cached
+        if self.adaptive is not None:
+            end = self.adaptive.backlog.end(seq.request_id)
+            if end is not None:
+                return end == seq.num_cached
         state = self.roots.get(seq.request_id)
         return state is not None and state.position == seq.num_cached
 
@@ -301,10 +312,7 @@ class Eagle3Runner:
         for seq, committed, rows in held:
             piece = gathered[offset : offset + len(rows)]
             offset += len(rows)
-            if backlog.end(seq.request_id) not in (None, seq.num_cached):
-                backlog.forget(seq.request_id)  # recomputed from an earlier position (preemption)
-            backlog.add(seq.request_id, seq.num_cached, committed, piece)
-            if backlog.length(seq.request_id) > backlog.limit:
+            if backlog.hold(seq.request_id, seq.num_cached, committed, piece) > backlog.limit:
                 start, tokens, piece = backlog.take(seq.request_id)
                 drained.append(_ExtendEntry(seq, start, tokens, piece, keeps_root=seq.sample))
         return drained
