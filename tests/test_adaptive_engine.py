@@ -52,7 +52,7 @@ class ScriptedPolicy:
 def use_script(engine, script) -> None:
     """The script decides every step: plain decisions are not repeated without it."""
     engine.runner.adaptive.policy = ScriptedPolicy(script)
-    engine.runner.adaptive.repeat_plain = lambda decoding, eligible_ids: None
+    engine.runner.adaptive.repeat_plain = lambda decoding, other_rows, eligible_ids: None
 
 
 SWITCHING = [(None, 1), (TreeShape.of(3, 1, 4), 1), (TreeShape.of(5, 8, 32), 0.5), (None, 1), (None, 1),

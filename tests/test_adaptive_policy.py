@@ -286,12 +286,13 @@ def test_a_plain_spell_repeats_its_decision_only_while_the_load_stands():
     adaptive.policy.decide = lambda load: searches.append(load.decoding) or search(load)
     ids = [f"r{i}" for i in range(64)]
     assert adaptive.decide(StepLoad(64, [1.0] * 64), ids).shape is None  # 64 trees would cost far more
-    repeats = [adaptive.repeat_plain(64, ids) for _ in range(PLAIN_RECHECK_STEPS + 1)]
+    repeats = [adaptive.repeat_plain(64, 0, ids) for _ in range(PLAIN_RECHECK_STEPS + 1)]
     assert all(r is adaptive.last for r in repeats[:-1]) and repeats[-1] is None  # then searched again
     assert adaptive.steps["plain"] == 1 + PLAIN_RECHECK_STEPS and searches == [64]
     adaptive.decide(StepLoad(64, [1.0] * 64), ids)
-    assert adaptive.repeat_plain(63, ids[:63]) is None  # a request finished: the load changed
+    assert adaptive.repeat_plain(64, 8, ids) is None  # this step has a prefill chunk
+    assert adaptive.repeat_plain(63, 0, ids[:63]) is None  # a request finished: the load changed
     alone = adaptive.decide(StepLoad(1, [1.0]), ids[:1])
-    assert alone.shape is not None and adaptive.repeat_plain(1, ids[:1]) is None  # only plain repeats
+    assert alone.shape is not None and adaptive.repeat_plain(1, 0, ids[:1]) is None  # only plain repeats
     adaptive.decide(StepLoad(64, [1.0] * 64, other_rows=100), ids)
-    assert adaptive.repeat_plain(64, ids) is None  # a step beside a prefill chunk is not repeated
+    assert adaptive.repeat_plain(64, 0, ids) is None  # a step beside a prefill chunk is not repeated

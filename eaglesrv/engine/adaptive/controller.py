@@ -29,7 +29,8 @@ class AdaptiveSpeculation:
         self.steps = {"plain": 0, "speculative": 0}
         self._logged_shape: object = "unset"
         self._logged_at = 0.0
-        self._plain_decoding: int | None = None  # requests decoding at the last searched plain step
+        # requests decoding at the last search, if it chose plain for a decode-only step (else None)
+        self._plain_decoding: int | None = None
         self._repeats = 0  # steps that repeated that decision since
 
     def restart(self) -> "AdaptiveSpeculation":
@@ -38,19 +39,18 @@ class AdaptiveSpeculation:
         fresh = CostModel(self.costs.target, self.costs.logits, self.costs.draft, self.costs.context_tokens)
         return AdaptiveSpeculation(self.largest, fresh, self.policy.hysteresis)
 
-    def repeat_plain(self, decoding: int, eligible_ids: list[str]) -> Decision | None:
+    def repeat_plain(self, decoding: int, other_rows: int, eligible_ids: list[str]) -> Decision | None:
         """The last decision again, without a search, when it chose plain decoding for a
-        decode-only step of the same number of requests at most PLAIN_RECHECK_STEPS ago;
-        else None (search). A long plain spell is where the search costs most against
-        what it can change: it was about 1% of a 64-request step on a 2-core CPU, and a
-        change of load (a request finishing or arriving) searches again at once."""
-        last = self.last
-        if (last is None or last.shape is not None or self._plain_decoding != decoding
-                or self._repeats >= PLAIN_RECHECK_STEPS):
+        decode-only step of the same number of requests at most PLAIN_RECHECK_STEPS ago,
+        and this step is decode-only too; else None (search). A long plain spell is where
+        the search costs most against what it can change: it was about 1% of a 64-request
+        step on a 2-core CPU, and a change of load (a request finishing or arriving)
+        searches again at once."""
+        if other_rows or self._plain_decoding != decoding or self._repeats >= PLAIN_RECHECK_STEPS:
             return None
         self._repeats += 1
-        self._record(last, decoding, eligible_ids)
-        return last
+        self._record(self.last, decoding, eligible_ids)
+        return self.last
 
     def decide(self, load: StepLoad, eligible_ids: list[str]) -> Decision:
         decision = self.policy.decide(load)

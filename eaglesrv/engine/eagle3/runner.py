@@ -159,15 +159,13 @@ class Eagle3Runner:
     def _decide(self, seqs: list[SequenceWork], eligible: list[int]):
         decoding = sum(1 for seq in seqs if seq.sample and len(seq.token_ids) == 1)
         other_rows = sum(len(seq.token_ids) for seq in seqs) - decoding
-        if not other_rows:
-            repeated = self.adaptive.repeat_plain(decoding, [seqs[i].request_id for i in eligible])
-            if repeated is not None:
-                return repeated
-        ids, multipliers, backlogs, remaining = [], [], [], []
+        ids = [seqs[i].request_id for i in eligible]
+        repeated = self.adaptive.repeat_plain(decoding, other_rows, ids)
+        if repeated is not None:
+            return repeated
+        multipliers, backlogs, remaining = [], [], []
         multiplier, backlog_length = self.adaptive.acceptance.multiplier, self.adaptive.backlog.length
-        for i in eligible:
-            rid = seqs[i].request_id
-            ids.append(rid)
+        for i, rid in zip(eligible, ids):
             multipliers.append(multiplier(rid))
             backlogs.append(backlog_length(rid))
             remaining.append(_remaining_tokens(seqs[i]))
