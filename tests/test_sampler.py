@@ -332,3 +332,23 @@ def test_draw_clamps_rounding_overflow_to_last_nonzero_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]])
     for u in (0.0, 0.5, math.nextafter(0.5, 0.0), 0.999999):
         assert draw_from_probs(probs, torch.tensor([u], dtype=torch.float64)).item() in (1, 3)
+
+
+@pytest.mark.parametrize("vocab", [49152, 50003])  # blocks that divide it; padded blocks
+def test_blockwise_draw_equals_the_whole_float64_cdf(vocab):
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(8, vocab, generator=gen) * 4, dim=-1)
+    probs[:, ::7] = 0.0  # zero-probability tokens scattered through every block
+    probs /= probs.sum(-1, keepdim=True)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    for _ in range(50):
+        u = torch.rand(8, generator=gen, dtype=torch.float64)
+        want = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1)
+        assert torch.equal(draw_from_probs(probs, u), want)
+
+
+def test_blockwise_draw_skips_empty_blocks_and_clamps_past_the_end():
+    probs = torch.zeros(1, 4096)  # four blocks of 1,024; mass only in the second
+    probs[0, 1024], probs[0, 1030] = 0.5, 0.4999
+    for u, want in ((0.0, 1024), (0.3, 1024), (0.5, 1030), (0.99985, 1030), (0.99995, 1030)):
+        assert draw_from_probs(probs, torch.tensor([u], dtype=torch.float64)).item() == want

@@ -34,6 +34,7 @@ from eaglesrv.engine.setup import EngineSetupError, kv_pool_pages, resolve_devic
 from eaglesrv.kernels.attention import create_attention_backend
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.scheduler import Request, RequestOutput, Scheduler
+from eaglesrv.utils.malloc import keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Engine:
         if config.runtime.num_threads:
             torch.set_num_threads(config.runtime.num_threads)
         self.device = resolve_device(config.runtime)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.draft_path = _draft_path(config) if config.speculative.enabled else None  # before loading, not after
         source = resolve_model(
             config.model.model_path, config.model.load_format, config.model.tokenizer_path,
