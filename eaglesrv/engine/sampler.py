@@ -35,6 +35,7 @@ _MASK64 = (1 << 64) - 1
 _TOP_P_SLACK = 1e-6
 _MIN_TEMPERATURE = 1e-6
 _CDF_BLOCK = 1024  # the largest block of the two-level inverse CDF
+_FLOAT64_SUM_BYTES = 16 << 20  # the float64 copy a block sum makes, at most, per chunk of rows
 
 
 @dataclass
@@ -206,7 +207,10 @@ def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     padded = probs if vocab % width == 0 else torch.nn.functional.pad(probs, (0, -vocab % width))
     blocks = padded.view(rows, -1, width)
     num_blocks = blocks.shape[1]
-    sums = blocks.sum(-1, dtype=torch.float64)  # [B, blocks]
+    # A float64 sum casts all of its input first; by chunks of rows that copy stays under
+    # glibc's 32 MiB mmap ceiling (utils/malloc.py) instead of being faulted in each step.
+    rows_per_sum = max(1, _FLOAT64_SUM_BYTES // (8 * padded.shape[1]))
+    sums = torch.cat([chunk.sum(-1, dtype=torch.float64) for chunk in blocks.split(rows_per_sum)])  # [B, blocks]
     ends = sums.cumsum(-1)  # [B, blocks]: the CDF at each block's last token
     u = uniforms.to(device=probs.device, dtype=torch.float64).unsqueeze(1)
     block = torch.searchsorted(ends, u, right=True).squeeze(1)  # the first block ending past u

@@ -3,10 +3,10 @@
 A CPU step allocates several [rows, vocab] float32 buffers (12.6 MB each at 64 rows of
 the default model): logits, scaled logits, probabilities. By default glibc hands the
 freed top of the heap back to the OS once it exceeds its trim threshold, so the next step
-page-faults the same memory in again: 12,000 faults a step at 64 sampled rows (a step
-1.11x slower on a 2-core CPU), 6,700 for a sampled EAGLE-3 step at batch 1 with a
-32-node tree (1.38x slower). Greedy batches mostly stayed under the threshold
-(`scripts/malloc_step_cost.py` measures all of these).
+page-faults the same memory in again: 10,000-12,000 faults a step at 64 sampled rows
+(a step 1.11-1.23x slower on a 2-core CPU), 6,700 for a sampled EAGLE-3 step at batch 1
+with a 32-node tree (1.15-1.63x slower). Greedy batches mostly stayed under the
+threshold (`scripts/malloc_step_cost.py` measures all of these).
 
 Raising the trim threshold keeps that memory. Setting it disables glibc's dynamic mmap
 threshold, so the mmap threshold is set too, to its largest value (32 MiB on 64-bit):
