@@ -14,6 +14,9 @@ prompt with EAGLE-3 on, and reports SGLang's figures:
     accept length        tokens one verification adds, bonus token included
     acceptance by depth  P(the draft token at depth d is kept | depth d - 1 was kept)
 
+and the draft vocabulary's coverage: the share of the generated tokens it holds, a
+ceiling on every depth's acceptance (a token outside it is never proposed).
+
 --speed-prompts N adds batch-1 decode speed, side by side in the same run: each of the
 first N prompts is generated greedily by a plain engine and then by each tree's engine,
 one request at a time, alternating, and decode tok/s (tokens after the first over the
@@ -29,6 +32,7 @@ import logging
 import time
 from typing import Any, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
@@ -115,17 +119,25 @@ def build_engine(args: argparse.Namespace, tree: Tree | None) -> Engine:
     ))
 
 
-def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], label: str) -> int:
-    """Run every prompt to completion with a progress bar; returns the tokens generated."""
+def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], label: str) -> list[int]:
+    """Run every prompt to completion with a progress bar; returns every token generated."""
     for prompt, p in zip(prompts, params):
         engine.add_request(prompt, p)
-    generated = 0
+    generated: list[int] = []
     with tqdm(total=len(prompts), desc=label, unit="prompt") as bar:
         while engine.has_unfinished:
             for out in engine.step():
-                generated += len(out.new_token_ids)
+                generated.extend(out.new_token_ids)
                 bar.update(int(out.finished))
     return generated
+
+
+def draft_vocab_coverage(draft_to_target: torch.Tensor, vocab_size: int, tokens: list[int]) -> float:
+    """The share of `tokens` the draft vocabulary holds: no depth's acceptance can exceed it
+    for long, since a token outside it is never proposed."""
+    in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
+    in_vocab[draft_to_target.cpu()] = True
+    return float(in_vocab[torch.tensor(tokens, dtype=torch.long)].float().mean()) if tokens else 0.0
 
 
 def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
@@ -135,8 +147,9 @@ def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_to
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(prompts))]
     began = time.monotonic()
-    output_tokens = generate(engine, prompts, params, label)
+    tokens = generate(engine, prompts, params, label)
     seconds = time.monotonic() - began
+    output_tokens = len(tokens)
     after = engine.spec_stats
     verifications = after["spec_verifications"] - before["spec_verifications"]
     kept = [c - b for c, b in zip(_kept_counts(after), _kept_counts(before))]
@@ -148,6 +161,7 @@ def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_to
         "verifications": verifications,
         "accept_length": (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / max(1, verifications),
         "acceptance_by_depth": [k / r if r else 0.0 for k, r in zip(kept, reached)],
+        "draft_vocab_coverage": round(draft_vocab_coverage(engine.draft.draft_to_target, engine.arch.vocab_size, tokens), 4),
         "wall_s": round(seconds, 2),
         "output_tok_s": round(output_tokens / seconds, 2) if seconds else None,
     }
@@ -209,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             report["results"].append(row)
             depths = " ".join(f"{a:.2f}" for a in row["acceptance_by_depth"])
             print(f"tree {','.join(map(str, tree)):>9}  temperature {temperature:<4}  prompts {row['prompts']}  "
-                  f"accept length {row['accept_length']:.3f}  acceptance by depth [{depths}]", flush=True)
+                  f"accept length {row['accept_length']:.3f}  acceptance by depth [{depths}]  "
+                  f"draft vocabulary holds {row['draft_vocab_coverage']:.1%} of the output", flush=True)
         if args.speed_prompts:
             engines[tree] = engine  # kept for the speed runs (a few MB of weights and KV each)
         del engine

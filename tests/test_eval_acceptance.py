@@ -8,7 +8,11 @@ import pytest
 
 import eaglesrv.data.sharegpt as sharegpt_module
 from eagle3_helpers import save_random_head
-from eaglesrv.eval_acceptance import _kept_counts, evaluation_prompts, heldout_prompts, main, parse_args
+import torch
+
+from eaglesrv.eval_acceptance import (
+    _kept_counts, draft_vocab_coverage, evaluation_prompts, heldout_prompts, main, parse_args,
+)
 from train_eagle3_helpers import save_tiny_chat_model, write_tiny_sharegpt
 
 
@@ -31,6 +35,7 @@ def test_smoke_writes_every_tree_and_temperature(tmp_path, small_split):
     for row in report["results"]:
         assert row["prompts"] == 3 and row["verifications"] > 0 and row["accept_length"] >= 1.0
         assert len(row["acceptance_by_depth"]) == row["tree"][0]
+        assert 0.0 <= row["draft_vocab_coverage"] <= 1.0
     speed = report["batch1_speed"]
     assert [row["tree"] for row in speed] == [[3, 1, 4], [2, 2, 4]]
     for row in speed:  # greedy outputs are equal, so both sides decode the same tokens
@@ -64,3 +69,10 @@ def test_validation_prompts_are_the_training_splits_last(tmp_path, small_split):
 def test_per_depth_counts_survive_the_rate_snapshot():
     stats = {"spec_verifications": 7, "spec_acceptance_by_depth": [5 / 7, 2 / 5, 0 / 2]}
     assert _kept_counts(stats) == [5, 2, 0]
+
+
+def test_draft_vocab_coverage_counts_the_tokens_a_draft_could_propose():
+    draft_to_target = torch.tensor([2, 5, 7])
+    assert draft_vocab_coverage(draft_to_target, 10, [2, 5, 5, 9]) == 0.75
+    assert draft_vocab_coverage(draft_to_target, 10, [0, 1]) == 0.0
+    assert draft_vocab_coverage(draft_to_target, 10, []) == 0.0

@@ -28,7 +28,7 @@ from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import TrainingSequence, encode, training_conversations
 from eaglesrv.train_eagle3.trainer import plan_epoch
 from eaglesrv.train_eagle3.ttt import draft_logits, live_rows, unroll
-from eaglesrv.train_eagle3.vocab import build_draft_vocab
+from eaglesrv.train_eagle3.vocab import build_draft_vocab, grown_vocab
 from train_eagle3_helpers import save_tiny_chat_model, train_argv, write_tiny_sharegpt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -147,6 +147,17 @@ def test_draft_vocab_by_reply_frequency():
     assert vocab.draft_to_target.tolist() == [7, 9] and vocab.coverage == pytest.approx(5 / 6)
     padded = build_draft_vocab(sequences, 5, 12)
     assert padded.draft_to_target.tolist() == [0, 1, 4, 7, 9] and padded.target_mask(12).sum() == 5
+
+
+def test_a_grown_vocab_keeps_every_token_and_adds_the_most_frequent():
+    sequences = [TrainingSequence([5, 7, 7, 9, 9, 9, 4, 3], [False, True, True, True, True, True, True, False])]
+    grown = grown_vocab(torch.tensor([4, 11]), sequences, 4, 12)  # 9 (three times) and 7 (twice) join
+    assert grown.draft_to_target.tolist() == [4, 7, 9, 11] and grown.coverage == pytest.approx(1.0)
+    assert grown_vocab(torch.tensor([4, 11]), sequences, 6, 12).draft_to_target.tolist() == [0, 1, 4, 7, 9, 11]
+    with pytest.raises(ValueError, match="must be larger than the head's vocabulary of 2"):
+        grown_vocab(torch.tensor([4, 11]), sequences, 2, 12)
+    with pytest.raises(ValueError, match="larger than the target's 12"):
+        grown_vocab(torch.tensor([4, 11]), sequences, 13, 12)
 
 
 def test_distill_cache_is_keyed_on_the_seed_only_when_the_data_is_sampled():
@@ -308,3 +319,29 @@ def test_init_from_continues_a_trained_head(chat_model, sharegpt, trained, tmp_p
     assert metadata["initialized_from"]["command"] == earlier["command"]
     assert torch.equal(load_file(str(tmp_path / "other" / "model.safetensors"))["d2t"],
                        load_file(str(out / "model.safetensors"))["d2t"])
+
+
+def test_grow_draft_vocab_moves_each_row_to_its_token(chat_model, sharegpt, trained, tmp_path):
+    out, _, _ = trained
+    parent = load_file(str(out / "model.safetensors"))
+    parent_ids = (torch.arange(len(parent["d2t"])) + parent["d2t"]).tolist()
+    grown_dir = tmp_path / "grown"
+    size = len(parent_ids) + 24
+    argv = train_argv(chat_model, sharegpt, grown_dir, "--init-from", str(out), "--grow-draft-vocab", str(size),
+                      "--max-steps", "1")
+    argv[argv.index("--lr") + 1] = "0"  # a step that moves nothing: the written head is the grown start
+    metadata = main(argv)
+    grown = load_file(str(grown_dir / "model.safetensors"))
+    grown_ids = (torch.arange(len(grown["d2t"])) + grown["d2t"]).tolist()
+    assert len(grown_ids) == size == metadata["draft_vocab"]["size"] and set(parent_ids) < set(grown_ids)
+    assert json.loads((grown_dir / "config.json").read_text())["draft_vocab_size"] == size
+    rows = [grown_ids.index(t) for t in parent_ids]
+    assert torch.equal(grown["lm_head.weight"][rows], parent["lm_head.weight"])
+    added = [i for i, t in enumerate(grown_ids) if t not in set(parent_ids)]
+    assert grown["lm_head.weight"][added].float().std() < parent["lm_head.weight"].float().std()  # small random rows
+    for name in parent:
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(grown[name], parent[name]), name
+    assert grown["t2d"].sum() == size and grown["t2d"][parent_ids].all()
+    with pytest.raises(ValueError, match="--grow-draft-vocab needs --init-from"):
+        main(train_argv(chat_model, sharegpt, tmp_path / "x", "--grow-draft-vocab", str(size)))

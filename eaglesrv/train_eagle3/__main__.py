@@ -62,6 +62,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     head.add_argument("--init-from", default=None,
                       help="start from this head's weights instead of random ones (to train a head further); "
                            "its draft vocabulary is kept and --draft-vocab-size ignored")
+    head.add_argument("--grow-draft-vocab", type=int, default=None, metavar="SIZE",
+                      help="with --init-from: add the most frequent reply tokens its vocabulary lacks until it "
+                           "holds SIZE; their lm_head rows start as --lm-head-init says, the others keep theirs")
     head.add_argument("--lm-head-init", default=DEFAULTS.lm_head_init, choices=("target", "random"),
                       help="start lm_head from the target's rows for the draft vocabulary, or at random")
     head.add_argument("--save-dtype", default=DEFAULTS.save_dtype, choices=SAVE_DTYPES,

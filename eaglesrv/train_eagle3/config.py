@@ -36,6 +36,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192
     ttt_steps: int = 7
     init_from: str | None = None  # start from this head's weights and draft vocabulary (same target)
+    grow_draft_vocab: int | None = None  # with init_from: add the most frequent missing reply tokens up to this size
     lm_head_init: str = "random"  # random: N(0, 0.02) (SpecForge; better in our pilot); target: its own rows
     save_dtype: str = "bfloat16"  # of the written head: half the file of float32, as published heads ship
     loss_decay: float = 0.8  # weight of unroll step j is loss_decay ** j (EAGLE-3's choice)
@@ -78,6 +79,7 @@ class TrainConfig:
             (self.val_conversations >= 0, "--val-conversations must be >= 0"),
             (self.time_limit is None or self.time_limit >= 0, "--time-limit must be >= 0"),
             (not self.distill_only or self.self_distill, "--distill-only needs --self-distill"),
+            (self.grow_draft_vocab is None or self.init_from is not None, "--grow-draft-vocab needs --init-from"),
         ]
         for ok, message in checks:
             if not ok:
@@ -136,5 +138,6 @@ DISTILL_FIELDS = ("model_path", "data_path", "max_seq_len", "max_turns", "self_d
 DATA_FIELDS = DISTILL_FIELDS + ("num_conversations", "conversation_offset", "distill_extra_samples",
                                 "distill_extra_temperature", "val_conversations")
 # Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
-RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "lm_head_init", "loss_decay", "epochs", "max_steps", "lr",
-                            "warmup_steps", "weight_decay", "grad_clip", "batch_tokens", "amp")
+RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "grow_draft_vocab", "lm_head_init",
+                            "loss_decay", "epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
+                            "batch_tokens", "amp")

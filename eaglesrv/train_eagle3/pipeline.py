@@ -42,7 +42,7 @@ from eaglesrv.train_eagle3.distill import regenerate
 from eaglesrv.train_eagle3.features import FeatureCache, extract_features
 from eaglesrv.train_eagle3.trainer import Trainer
 from eaglesrv.train_eagle3.validate import chain_acceptance
-from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab, vocab_of
+from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab, grown_vocab, vocab_of
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,17 @@ def load_parent(path: str, engine: Engine) -> Eagle3DraftModel:
 
 
 def start_from(draft: Eagle3DraftModel, parent: Eagle3DraftModel, path: str) -> None:
-    """Copy the parent head's weights into `draft` (--init-from); `draft` has its vocabulary."""
-    draft.load_state_dict(parent.state_dict())
+    """Copy the parent head's weights into `draft` (--init-from). `draft` has the parent's
+    vocabulary or a grown one (--grow-draft-vocab): then each of the parent's lm_head rows
+    moves to its token's place in the grown vocabulary, and the added rows keep the
+    initialization `draft` came with."""
+    state = parent.state_dict()
+    if len(draft.draft_to_target) != len(parent.draft_to_target):
+        rows = torch.searchsorted(draft.draft_to_target, parent.draft_to_target)  # both ascending
+        lm_head = draft.lm_head.weight.detach().clone()
+        lm_head[rows] = state["lm_head.weight"]
+        state["lm_head.weight"] = lm_head
+    draft.load_state_dict(state)
     draft.embed_tokens.weight.requires_grad_(False)
     logger.info("starting from the weights of %s", path)
 
@@ -138,7 +147,9 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
         return distilled_only(engine, config, times)
     indices, sequences = training_sequences(engine, config, times)
     parent = load_parent(config.init_from, engine) if config.init_from else None
-    if parent is not None:  # a head trained further keeps the vocabulary its lm_head was trained for
+    if parent is not None and config.grow_draft_vocab:
+        vocab = grown_vocab(parent.draft_to_target.cpu(), sequences, config.grow_draft_vocab, engine.arch.vocab_size)
+    elif parent is not None:  # a head trained further keeps the vocabulary its lm_head was trained for
         vocab = vocab_of(parent.draft_to_target.cpu(), sequences)
     else:
         vocab = build_draft_vocab(sequences, config.draft_vocab_size, engine.arch.vocab_size)

@@ -39,16 +39,32 @@ class DraftVocab:
 
 def build_draft_vocab(sequences: Sequence[TrainingSequence], size: int, target_vocab_size: int) -> DraftVocab:
     """The `size` most frequent reply tokens (ties by id); unseen ids fill any gap."""
+    return _with_most_frequent(set(), sequences, size, target_vocab_size)
+
+
+def grown_vocab(draft_to_target: torch.Tensor, sequences: Sequence[TrainingSequence], size: int,
+                target_vocab_size: int) -> DraftVocab:
+    """An existing vocabulary with the most frequent reply tokens it lacks added, up to
+    `size`: every token it had stays."""
+    kept = set(draft_to_target.tolist())
+    if size <= len(kept):
+        raise ValueError(f"--grow-draft-vocab {size} must be larger than the head's vocabulary of {len(kept)}")
+    return _with_most_frequent(kept, sequences, size, target_vocab_size)
+
+
+def _with_most_frequent(kept: set[int], sequences: Sequence[TrainingSequence], size: int,
+                        target_vocab_size: int) -> DraftVocab:
+    """`kept` and the most frequent other reply tokens (ties by id), `size` in all."""
     if size > target_vocab_size:
         raise ValueError(f"draft vocabulary {size} is larger than the target's {target_vocab_size}")
     counts = reply_counts(sequences)
-    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    chosen = set(ranked)
+    added = sorted((t for t in counts if t not in kept), key=lambda t: (-counts[t], t))[: size - len(kept)]
+    chosen = kept | set(added)
     # Too few distinct reply tokens: pad with the lowest unused ids, so the size is as asked.
     filler = (t for t in range(target_vocab_size) if t not in chosen)
-    while len(ranked) < size:
-        ranked.append(next(filler))
-    return vocab_of(torch.tensor(sorted(ranked), dtype=torch.long), sequences, counts)
+    while len(chosen) < size:
+        chosen.add(next(filler))
+    return vocab_of(torch.tensor(sorted(chosen), dtype=torch.long), sequences, counts)
 
 
 def vocab_of(draft_to_target: torch.Tensor, sequences: Sequence[TrainingSequence],

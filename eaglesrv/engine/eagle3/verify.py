@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eaglesrv.engine.sampler import draw_from_probs
+
 
 @dataclass(frozen=True)
 class Acceptance:
@@ -68,16 +70,9 @@ def accept_sampling(
                 break
             draw += 1
             probs[token] = 0.0  # refused: sample the rest from the remaining mass
-        if accepted is None:
-            return Acceptance(path, _inverse_cdf(probs, uniforms[draw]))
+        if accepted is None:  # the bonus: u scaled to the mass the refusals left
+            remaining = torch.tensor([uniforms[draw] * probs.sum().item()], dtype=torch.float64)
+            return Acceptance(path, int(draw_from_probs(probs.unsqueeze(0), remaining)))
         path.append(accepted)
         node = accepted
 
-
-def _inverse_cdf(probs: torch.Tensor, uniform: float) -> int:
-    cumulative = probs.cumsum(0)
-    total = cumulative[-1].item()
-    index = int(torch.searchsorted(cumulative, torch.tensor([uniform * total], dtype=cumulative.dtype), right=True))
-    if index >= probs.shape[0] or probs[index] <= 0:  # rounding at the top end
-        index = int(torch.nonzero(probs > 0)[-1])
-    return index
