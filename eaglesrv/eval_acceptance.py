@@ -39,7 +39,8 @@ from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConf
 from eaglesrv.data import heldout_split, prompt_reply_pairs
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
-from eaglesrv.train_eagle3.data import prompt_ids, validation_conversations
+from eaglesrv.train_eagle3.data import TrainingSequence, prompt_ids, validation_conversations
+from eaglesrv.train_eagle3.vocab import vocab_of
 
 Tree = tuple[int, int, int]
 
@@ -132,12 +133,10 @@ def generate(engine: Engine, prompts: list[list[int]], params: list[SamplingPara
     return generated
 
 
-def draft_vocab_coverage(draft_to_target: torch.Tensor, vocab_size: int, tokens: list[int]) -> float:
+def draft_vocab_coverage(draft_to_target: torch.Tensor, tokens: list[int]) -> float:
     """The share of `tokens` the draft vocabulary holds: no depth's acceptance can exceed it
     for long, since a token outside it is never proposed."""
-    in_vocab = torch.zeros(vocab_size, dtype=torch.bool)
-    in_vocab[draft_to_target.cpu()] = True
-    return float(in_vocab[torch.tensor(tokens, dtype=torch.long)].float().mean()) if tokens else 0.0
+    return vocab_of(draft_to_target.cpu(), [TrainingSequence(tokens, [True] * len(tokens))]).coverage
 
 
 def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int,
@@ -161,7 +160,7 @@ def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_to
         "verifications": verifications,
         "accept_length": (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / max(1, verifications),
         "acceptance_by_depth": [k / r if r else 0.0 for k, r in zip(kept, reached)],
-        "draft_vocab_coverage": round(draft_vocab_coverage(engine.draft.draft_to_target, engine.arch.vocab_size, tokens), 4),
+        "draft_vocab_coverage": round(draft_vocab_coverage(engine.draft.draft_to_target, tokens), 4),
         "wall_s": round(seconds, 2),
         "output_tok_s": round(output_tokens / seconds, 2) if seconds else None,
     }

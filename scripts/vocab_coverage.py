@@ -13,25 +13,20 @@ scores each size on the replies of the rest (tokens the growth did not see):
 from __future__ import annotations
 
 import argparse
-import json
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from eaglesrv.train_eagle3.data import REPLY_IDS, TrainingSequence
+from eaglesrv.train_eagle3.distill import read_cache
 from eaglesrv.train_eagle3.vocab import grown_vocab, vocab_of
 
 
 def replies(cache_file: str) -> dict[int, list[TrainingSequence]]:
     """Each cached conversation's replies, as all-reply training sequences, by index."""
-    by_index = {}
-    with open(cache_file) as f:
-        next(f)  # the settings fingerprint
-        for line in f:
-            entry = json.loads(line)
-            by_index[entry["index"]] = [TrainingSequence(m[REPLY_IDS], [True] * len(m[REPLY_IDS]))
-                                        for m in entry["messages"] if REPLY_IDS in m]
-    return by_index
+    return {index: [TrainingSequence(m[REPLY_IDS], [True] * len(m[REPLY_IDS])) for m in messages if REPLY_IDS in m]
+            for index, messages in read_cache(Path(cache_file)).items()}
 
 
 def main() -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import eaglesrv.data.sharegpt as sharegpt_module
 from eagle3_helpers import save_random_head
-import torch
-
 from eaglesrv.eval_acceptance import (
     _kept_counts, draft_vocab_coverage, evaluation_prompts, heldout_prompts, main, parse_args,
 )
@@ -73,6 +72,6 @@ def test_per_depth_counts_survive_the_rate_snapshot():
 
 def test_draft_vocab_coverage_counts_the_tokens_a_draft_could_propose():
     draft_to_target = torch.tensor([2, 5, 7])
-    assert draft_vocab_coverage(draft_to_target, 10, [2, 5, 5, 9]) == 0.75
-    assert draft_vocab_coverage(draft_to_target, 10, [0, 1]) == 0.0
-    assert draft_vocab_coverage(draft_to_target, 10, []) == 0.0
+    assert draft_vocab_coverage(draft_to_target, [2, 5, 5, 9]) == 0.75
+    assert draft_vocab_coverage(draft_to_target, [0, 1]) == 0.0
+    assert draft_vocab_coverage(draft_to_target, []) == 0.0

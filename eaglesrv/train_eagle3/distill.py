@@ -49,7 +49,7 @@ def regenerate(
     """The conversations with every assistant turn replaced by the target's reply."""
     if len(indices) != len(conversations):
         raise ValueError("one index per conversation")
-    done = _read_cache(cache_file, fingerprint)
+    done = read_cache(cache_file, fingerprint)
     # Rewrite what survived, so that a line cut by an interruption is not left mid-file.
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"fingerprint": fingerprint})]
@@ -149,11 +149,13 @@ def _advance(rewrite: _Rewrite, budget: _ReplyBudget, in_flight: dict, cache, do
     bar.update(1)
 
 
-def _read_cache(cache_file: Path, fingerprint: str) -> dict[int, Messages]:
+def read_cache(cache_file: Path, fingerprint: str | None = None) -> dict[int, Messages]:
+    """The conversations a cache holds, by index: none when it was built under another
+    fingerprint than the one given (None: whatever settings it was built under)."""
     if not cache_file.exists():
         return {}
     lines = cache_file.read_text().splitlines()
-    if not lines or json.loads(lines[0]).get("fingerprint") != fingerprint:
+    if not lines or (fingerprint is not None and json.loads(lines[0]).get("fingerprint") != fingerprint):
         return {}  # built under other settings: start over
     done = {}
     for line in lines[1:]:

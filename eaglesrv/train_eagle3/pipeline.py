@@ -108,15 +108,13 @@ def load_parent(path: str, engine: Engine) -> Eagle3DraftModel:
 
 def start_from(draft: Eagle3DraftModel, parent: Eagle3DraftModel, path: str) -> None:
     """Copy the parent head's weights into `draft` (--init-from). `draft` has the parent's
-    vocabulary or a grown one (--grow-draft-vocab): then each of the parent's lm_head rows
-    moves to its token's place in the grown vocabulary, and the added rows keep the
-    initialization `draft` came with."""
+    vocabulary or a grown one (--grow-draft-vocab): each of the parent's lm_head rows goes
+    to its token's place, and rows of added tokens keep the initialization `draft` came with."""
     state = parent.state_dict()
-    if len(draft.draft_to_target) != len(parent.draft_to_target):
-        rows = torch.searchsorted(draft.draft_to_target, parent.draft_to_target)  # both ascending
-        lm_head = draft.lm_head.weight.detach().clone()
-        lm_head[rows] = state["lm_head.weight"]
-        state["lm_head.weight"] = lm_head
+    rows = torch.searchsorted(draft.draft_to_target, parent.draft_to_target)  # both ascending
+    lm_head = draft.lm_head.weight.detach().clone()
+    lm_head[rows] = state["lm_head.weight"]
+    state["lm_head.weight"] = lm_head
     draft.load_state_dict(state)
     draft.embed_tokens.weight.requires_grad_(False)
     logger.info("starting from the weights of %s", path)
