@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import lzma
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,15 @@ def test_a_missing_or_damaged_piece_names_the_folder_to_carry_again(tmp_path):
         device_pack.unpack(tmp_path)
     with pytest.raises(ValueError, match="larger than a piece"):
         device_pack.pack(tmp_path / "big", 10, b"m", b"0123456789abc", ("w.whl", b"w"))
+
+
+def test_the_working_tree_counts_what_travels_with_every_call(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["git", "init", "-q"], check=True)
+    Path(".gitignore").write_text("ignored/\n")  # 9 bytes
+    Path("tracked.txt").write_bytes(b"a" * 100)
+    subprocess.run(["git", "add", "tracked.txt"], check=True)
+    Path("untracked.txt").write_bytes(b"b" * 30)  # not ignored: it travels too
+    Path("ignored").mkdir()
+    Path("ignored/big.bin").write_bytes(b"c" * 1000)  # .devcarry's case: only when carried
+    assert device_pack.working_tree_bytes() == 100 + 30 + 9

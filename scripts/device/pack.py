@@ -1,12 +1,13 @@
 """Ship what head training needs to the lent GPU machine, in pieces that each fit one call.
 
-A call carries at most 64 MiB, the working tree included (about 16 MB), and the GPU
-machine reaches no network. Training needs the default model's GGUF (98 MB), the training
-split of ShareGPT (49 MB of JSON, 9 MB as xz) and the `gguf` package's wheel. Replies
-distilled here ahead of time (`train_eagle3 --distill-only`, into .devcarry/run/work) go
-too, xz'd, and come out in the same place there, so the GPU's minutes go to training.
-`pack` cuts them into folders of at most --piece-mb MB under .devcarry/ (ignored by git); each device
-call carries one folder (`carry: [".devcarry/a"]`, then b, ...), back to back while the
+A call carries at most 64 MiB, the working tree included (22 MB in December 2026), and the
+GPU machine reaches no network. Training needs the default model's GGUF (98 MB), the
+training split of ShareGPT (49 MB of JSON, 9 MB as xz) and the `gguf` package's wheel.
+Replies distilled here ahead of time (`train_eagle3 --distill-only`, into
+.devcarry/run/work) go too, xz'd, and come out in the same place there, so the GPU's
+minutes go to training. `pack` cuts them into folders under .devcarry/ (ignored by git),
+each at most what a call leaves beside the working tree as it is now (or --piece-mb MB).
+Each device call carries one folder (`carry: [".devcarry/a"]`, then b, ...), back to back while the
 machine is warm, which keeps the folders earlier calls left. `unpack`, run there in the
 last call, checks every piece against the manifest and rebuilds the files.
 
@@ -38,6 +39,10 @@ CACHE_DIR = "run/work"  # under --dir: train_head.sh's --work-dir
 PIECE_FOLDERS = tuple(string.ascii_lowercase)
 
 
+CALL_BYTES = 64 * 2**20  # what one device call carries: the working tree and one folder
+MARGIN_BYTES = 2 * 10**6  # room for files written between packing and the call
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -48,6 +53,14 @@ def training_split_json() -> bytes:
     records = [{"id": c.id, "conversations": [{"from": t.role, "value": t.text} for t in c.turns]}
                for c in training_split(None)]
     return json.dumps(records).encode()
+
+
+def working_tree_bytes() -> int:
+    """What travels with every call besides the carried folder: tracked files and untracked
+    ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            check=True, capture_output=True).stdout.split(b"\0")
+    return sum(Path(name.decode()).stat().st_size for name in listed if name and Path(name.decode()).is_file())
 
 
 def gguf_wheel(directory: Path) -> Path:
@@ -136,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("action", choices=("pack", "unpack"))
     parser.add_argument("--dir", default=".devcarry", help="the folder the pieces live in")
-    parser.add_argument("--piece-mb", type=float, default=45.0, help="MB per carried folder, at most")
+    parser.add_argument("--piece-mb", type=float, default=None,
+                        help="MB per carried folder, at most (default: what a call leaves beside the working tree)")
     args = parser.parse_args()
     root = Path(args.dir)
     if args.action == "pack":
@@ -147,7 +161,10 @@ def main() -> None:
         staging.mkdir(parents=True)
         files = gather(staging)
         shutil.rmtree(staging)
-        for folder in pack(root, int(args.piece_mb * 1e6), *files, distilled_caches(root)):
+        tree = working_tree_bytes()
+        piece_bytes = int(args.piece_mb * 1e6) if args.piece_mb else CALL_BYTES - tree - MARGIN_BYTES
+        print(f"working tree {tree / 1e6:.1f} MB: pieces of at most {piece_bytes / 1e6:.1f} MB")
+        for folder in pack(root, piece_bytes, *files, distilled_caches(root)):
             size = sum(f.stat().st_size for f in folder.iterdir())
             print(f"{folder}: {size / 1e6:.1f} MB ({', '.join(sorted(f.name for f in folder.iterdir()))})")
     else:
