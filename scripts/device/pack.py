@@ -37,8 +37,6 @@ DATA_NAME = "train_split.json"
 GGUF_WHEEL = "gguf==0.19.0"
 CACHE_DIR = "run/work"  # under --dir: train_head.sh's --work-dir
 PIECE_FOLDERS = tuple(string.ascii_lowercase)
-
-
 CALL_BYTES = 64 * 2**20  # what one device call carries: the working tree and one folder
 MARGIN_BYTES = 2 * 10**6  # room for files written between packing and the call
 
@@ -60,7 +58,8 @@ def working_tree_bytes() -> int:
     ones git does not ignore."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             check=True, capture_output=True).stdout.split(b"\0")
-    return sum(Path(name.decode()).stat().st_size for name in listed if name and Path(name.decode()).is_file())
+    paths = [Path(name.decode()) for name in listed if name]
+    return sum(path.stat().st_size for path in paths if path.is_file())  # a deleted, uncommitted file lists too
 
 
 def gguf_wheel(directory: Path) -> Path:
