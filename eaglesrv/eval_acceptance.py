@@ -179,22 +179,29 @@ def decode_time(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[int
     return tokens, time.perf_counter() - first_at
 
 
-def batch1_speed(args: argparse.Namespace, engines: dict[Tree, Engine], prompts: list[list[int]]) -> list[dict]:
-    """Plain and every tree on the same prompts, alternating per prompt (drift hits all alike)."""
-    plain = build_engine(args, None)
-    plain.warmup()
+def decode_side_by_side(engines: dict[Any, Engine], prompts: list[list[int]], max_tokens: int,
+                        desc: str = "batch-1 speed") -> dict[Any, tuple[int, float]]:
+    """Every engine decodes every prompt alone, the order reversed every other prompt, so that
+    the machine's drift and cache warmth hit all alike: {key: (tokens, seconds)}."""
     for engine in engines.values():
         engine.warmup()
-    totals = {key: [0, 0.0] for key in [None, *engines]}
-    for prompt in tqdm(prompts, desc="batch-1 speed", unit="prompt"):
-        for key, engine in [(None, plain), *engines.items()]:
-            tokens, seconds = decode_time(engine, prompt, args.max_tokens)
+    totals = {key: [0, 0.0] for key in engines}
+    order = list(engines.items())
+    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+        for key, engine in order if i % 2 == 0 else reversed(order):
+            tokens, seconds = decode_time(engine, prompt, max_tokens)
             totals[key][0] += tokens
             totals[key][1] += seconds
-    plain_rate = totals[None][0] / totals[None][1]
+    return {key: (tokens, seconds) for key, (tokens, seconds) in totals.items()}
+
+
+def batch1_speed(args: argparse.Namespace, engines: dict[Tree, Engine], prompts: list[list[int]]) -> list[dict]:
+    """Plain decoding and every tree on the same prompts, side by side."""
+    totals = decode_side_by_side({None: build_engine(args, None), **engines}, prompts, args.max_tokens)
+    rate = {key: tokens / seconds for key, (tokens, seconds) in totals.items()}
     return [{"tree": list(tree), "prompts": len(prompts), "decode_tokens": totals[tree][0],
-             "eagle3_tok_s": round(totals[tree][0] / totals[tree][1], 2), "plain_tok_s": round(plain_rate, 2),
-             "speedup": round(totals[tree][0] / totals[tree][1] / plain_rate, 3)} for tree in engines]
+             "eagle3_tok_s": round(rate[tree], 2), "plain_tok_s": round(rate[None], 2),
+             "speedup": round(rate[tree] / rate[None], 3)} for tree in engines]
 
 
 def _kept_counts(stats: dict[str, Any]) -> list[int]:

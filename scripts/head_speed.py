@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from eaglesrv.eval_acceptance import build_engine, decode_time, heldout_prompts, parse_tree
+from eaglesrv.eval_acceptance import build_engine, decode_side_by_side, heldout_prompts, parse_tree
 
 
 def main() -> None:
@@ -34,17 +34,8 @@ def main() -> None:
     for name, path in heads.items():
         for tree in args.trees:
             engines[(name, tree)] = build_engine(argparse.Namespace(draft_model_path=path, **settings), tree)
-    for engine in engines.values():
-        engine.warmup()
     prompts = heldout_prompts(engines[("plain", None)].tokenizer, args.prompts, settings["max_input_len"])
-
-    totals = {key: [0, 0.0] for key in engines}
-    for i, prompt in enumerate(prompts):
-        order = list(engines.items())
-        for key, engine in order if i % 2 == 0 else reversed(order):
-            tokens, seconds = decode_time(engine, prompt, args.max_tokens)
-            totals[key][0] += tokens
-            totals[key][1] += seconds
+    totals = decode_side_by_side(engines, prompts, args.max_tokens)
 
     plain_rate = totals[("plain", None)][0] / totals[("plain", None)][1]
     print(f"{'head':>12} {'tree':>10} {'tok/s':>7} {'vs plain':>9} {'accept length':>14}")
