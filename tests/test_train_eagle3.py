@@ -26,7 +26,7 @@ from eaglesrv.train_eagle3 import trainer as trainer_module
 from eaglesrv.train_eagle3.__main__ import main
 from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import TrainingSequence, encode, training_conversations
-from eaglesrv.train_eagle3.trainer import plan_epoch
+from eaglesrv.train_eagle3.trainer import plan_epoch, target_logprobs
 from eaglesrv.train_eagle3.ttt import draft_logits, live_rows, unroll
 from eaglesrv.train_eagle3.vocab import build_draft_vocab, grown_vocab
 from train_eagle3_helpers import save_tiny_chat_model, train_argv, write_tiny_sharegpt
@@ -171,6 +171,24 @@ def test_distill_cache_is_keyed_on_the_seed_only_when_the_data_is_sampled():
     assert greedy.distill_fingerprint() == dataclasses.replace(greedy, num_conversations=5,
                                                                conversation_offset=3).distill_fingerprint()
     assert greedy.distill_fingerprint() != dataclasses.replace(greedy, distill_max_new_tokens=9).distill_fingerprint()
+
+
+def test_reply_sets_name_existing_sets_and_a_lower_target_temperature_sharpens():
+    config = TrainConfig(output_dir="out", self_distill=True, distill_extra_samples=2, reply_sets=(2, 1))
+    assert config.used_reply_sets == (1, 2)
+    assert dataclasses.replace(config, reply_sets=None).used_reply_sets == (0, 1, 2)
+    for bad in [(3,), (1, 1), ()]:
+        with pytest.raises(ValueError, match="--reply-sets must name distinct sets among 0 .. 2"):
+            dataclasses.replace(config, reply_sets=bad)
+    with pytest.raises(ValueError, match="--reply-sets needs --self-distill"):
+        TrainConfig(output_dir="out", reply_sets=(0,))
+    with pytest.raises(ValueError, match="--target-temperature must be > 0"):
+        TrainConfig(output_dir="out", target_temperature=0.0)
+    hidden, rows = torch.randn(5, 8), torch.randn(16, 8)
+    plain, sharp = target_logprobs(hidden, rows), target_logprobs(hidden, rows, 0.5)
+    torch.testing.assert_close(plain, torch.log_softmax(hidden @ rows.T, dim=-1))
+    torch.testing.assert_close(sharp, torch.log_softmax(2 * hidden @ rows.T, dim=-1))
+    assert torch.equal(plain.argmax(-1), sharp.argmax(-1)) and (sharp.max(-1).values > plain.max(-1).values).all()
 
 
 def test_batch_plans_are_seeded_and_bounded():

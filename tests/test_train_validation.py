@@ -15,6 +15,7 @@ from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.kernels.attention.base import SequenceSpan
 from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 from eaglesrv.train_eagle3.__main__ import main
+from eaglesrv.train_eagle3.distill import read_cache
 from eaglesrv.train_eagle3.validate import chain_acceptance, decoding_walk, summarize
 from test_train_eagle3 import _small_head, chat_model, sharegpt  # noqa: F401 (fixtures)
 from train_eagle3_helpers import train_argv
@@ -125,6 +126,13 @@ def test_validation_split_and_extra_reply_sets_end_to_end(chat_model, sharegpt, 
     assert sorted(r["index"] for r in extra) == list(range(32))
     by_index = {r["index"]: r["messages"] for r in greedy}
     assert any(r["messages"] != by_index[r["index"]] for r in extra)
+    # --reply-sets 1: the sampled set alone, read from its cache (nothing regenerated)
+    written = {path.name: read_cache(path) for path in (out / "work").glob("distill-*.jsonl")}
+    only_extra = main(train_argv(chat_model, sharegpt, tmp_path / "extra", "--self-distill", "--val-conversations", "8",
+                                 "--distill-extra-samples", "1", "--reply-sets", "1", "--work-dir", str(out / "work"),
+                                 "--max-steps", "1"))
+    assert only_extra["data"]["reply_set_indices"] == [1] and only_extra["data"]["sequences"] == 32
+    assert {path.name: read_cache(path) for path in (out / "work").glob("distill-*.jsonl")} == written
     with pytest.raises(ValueError, match="validation conversations"):
         overlapping = train_argv(chat_model, sharegpt, tmp_path / "overlap", "--val-conversations", "20")
         main(overlapping)  # 32 training conversations and the last 20 of 48 overlap

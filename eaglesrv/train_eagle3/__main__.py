@@ -50,6 +50,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                            "(more of the target's own contexts from the same prompts)")
     data.add_argument("--distill-extra-temperature", type=float, default=DEFAULTS.distill_extra_temperature,
                       help="sampling temperature of the extra replies")
+    data.add_argument("--reply-sets", type=int, nargs="+", default=None, metavar="SET",
+                      help="train on these reply sets only (0: the --distill-temperature replies, 1 ..: the extra "
+                           "sampled ones; default: all), e.g. new sampled sets without the greedy ones a head "
+                           "has already seen; each keeps its own cache")
     data.add_argument("--distill-only", action="store_true",
                       help="regenerate the replies into --work-dir and stop: a later run (on a GPU, say) reuses them")
     data.add_argument("--val-conversations", type=int, default=DEFAULTS.val_conversations,
@@ -70,6 +74,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     head.add_argument("--save-dtype", default=DEFAULTS.save_dtype, choices=SAVE_DTYPES,
                       help="dtype of the written weights (d2t/t2d keep theirs)")
     head.add_argument("--loss-decay", type=float, default=DEFAULTS.loss_decay, help="weight of step j is DECAY**j")
+    head.add_argument("--target-temperature", type=float, default=DEFAULTS.target_temperature,
+                      help="train towards the target's distribution at this temperature; below 1 it weighs the "
+                           "target's top token, which greedy verification accepts, above the rest")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--epochs", type=int, default=DEFAULTS.epochs)
     opt.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -92,7 +99,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                     help="bf16 autocast for the head (auto: on CUDA and on CPUs with native bf16)")
     hw.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     hw.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    return TrainConfig(**vars(p.parse_args(argv)))
+    values = vars(p.parse_args(argv))
+    if values["reply_sets"] is not None:
+        values["reply_sets"] = tuple(values["reply_sets"])
+    return TrainConfig(**values)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

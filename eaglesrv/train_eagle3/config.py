@@ -30,6 +30,7 @@ class TrainConfig:
     distill_max_new_tokens: int | None = None  # cap per regenerated reply; None: what max_seq_len leaves
     distill_extra_samples: int = 0  # more replies per conversation, sampled: more of the target's contexts
     distill_extra_temperature: float = 0.8
+    reply_sets: tuple[int, ...] | None = None  # the reply sets trained on (0: the first, 1 ..: the extra); None: all
     distill_only: bool = False  # fill the reply caches and stop (prepare data here, train elsewhere)
     val_conversations: int = 0  # the training split's last N, never trained on: greedy chain acceptance per epoch
     # draft head
@@ -40,6 +41,7 @@ class TrainConfig:
     lm_head_init: str = "random"  # random: N(0, 0.02) (SpecForge; better in our pilot); target: its own rows
     save_dtype: str = "bfloat16"  # of the written head: half the file of float32, as published heads ship
     loss_decay: float = 0.8  # weight of unroll step j is loss_decay ** j (EAGLE-3's choice)
+    target_temperature: float = 1.0  # the loss's target is the target's distribution at this temperature
     # optimisation
     epochs: int = 1
     max_steps: int | None = None  # stop after this many optimizer steps (pilots)
@@ -64,6 +66,7 @@ class TrainConfig:
             (self.max_seq_len >= 8, "--max-seq-len must be at least 8"),
             (self.draft_vocab_size >= 2, "--draft-vocab-size must be at least 2"),
             (self.ttt_steps >= 1, "--ttt-steps must be at least 1"),
+            (self.target_temperature > 0, "--target-temperature must be > 0"),
             (self.epochs >= 1, "--epochs must be at least 1"),
             (self.batch_tokens >= self.max_seq_len, "--batch-tokens must be at least --max-seq-len"),
             (self.checkpoint_every >= 1, "--checkpoint-every must be at least 1"),
@@ -76,6 +79,10 @@ class TrainConfig:
             (self.distill_extra_samples >= 0, "--distill-extra-samples must be >= 0"),
             (self.distill_extra_samples == 0 or self.self_distill, "--distill-extra-samples needs --self-distill"),
             (self.distill_extra_temperature > 0, "--distill-extra-temperature must be > 0"),
+            (self.reply_sets is None or self.self_distill, "--reply-sets needs --self-distill"),
+            (self.reply_sets is None or (len(self.reply_sets) > 0 and len(set(self.reply_sets)) == len(self.reply_sets)
+                                         and all(0 <= s <= self.distill_extra_samples for s in self.reply_sets)),
+             f"--reply-sets must name distinct sets among 0 .. {self.distill_extra_samples} (--distill-extra-samples)"),
             (self.val_conversations >= 0, "--val-conversations must be >= 0"),
             (self.time_limit is None or self.time_limit >= 0, "--time-limit must be >= 0"),
             (not self.distill_only or self.self_distill, "--distill-only needs --self-distill"),
@@ -116,6 +123,13 @@ class TrainConfig:
             return self.fingerprint(*DISTILL_FIELDS, distill_format=DISTILL_FORMAT)
         return dataclasses.replace(self, seed=0).fingerprint(*DISTILL_FIELDS, distill_format=DISTILL_FORMAT)
 
+    @property
+    def used_reply_sets(self) -> tuple[int, ...]:
+        """The reply sets this run distills and trains on, in order."""
+        if self.reply_sets is not None:
+            return tuple(sorted(self.reply_sets))
+        return tuple(range(1 + self.distill_extra_samples))
+
     def sample_seed(self, sample: int) -> int:
         """The seed reply set `sample` is drawn under (set 0: --seed itself)."""
         if sample == 0:
@@ -136,8 +150,8 @@ DISTILL_FIELDS = ("model_path", "data_path", "max_seq_len", "max_turns", "self_d
                   "distill_max_new_tokens", "seed")
 # Settings that decide the training sequences (and so every cache built from them).
 DATA_FIELDS = DISTILL_FIELDS + ("num_conversations", "conversation_offset", "distill_extra_samples",
-                                "distill_extra_temperature", "val_conversations")
+                                "distill_extra_temperature", "reply_sets", "val_conversations")
 # Settings that decide the optimisation trajectory: a checkpoint resumes only under the same.
 RUN_FIELDS = DATA_FIELDS + ("draft_vocab_size", "ttt_steps", "init_from", "grow_draft_vocab", "lm_head_init",
-                            "loss_decay", "epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip",
-                            "batch_tokens", "amp")
+                            "loss_decay", "target_temperature", "epochs", "max_steps", "lr", "warmup_steps",
+                            "weight_decay", "grad_clip", "batch_tokens", "amp")

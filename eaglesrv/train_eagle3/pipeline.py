@@ -202,7 +202,7 @@ def distilled_only(engine: Engine, config: TrainConfig, times: dict[str, float])
     if config.val_conversations:
         validation_replies(engine, config)
     indices, sequences = training_sequences(engine, config, times)
-    caches = sorted(str(distill_cache(config, sample)) for sample in range(1 + config.distill_extra_samples))
+    caches = sorted(str(distill_cache(config, sample)) for sample in config.used_reply_sets)
     summary = {"conversations": f"[{indices.start}, {indices.stop})", **data_summary(sequences),
                "distill_caches": caches, "times_s": {k: round(v, 1) for k, v in times.items()}}
     logger.info("distilled only: %s", json.dumps(summary))
@@ -211,7 +211,8 @@ def distilled_only(engine: Engine, config: TrainConfig, times: dict[str, float])
 
 def training_sequences(engine: Engine, config: TrainConfig, times: dict[str, float]) -> tuple[range, list[TrainingSequence]]:
     """The conversations' indices in the file, and their training sequences: as written, or
-    with the target's replies (one set, plus --distill-extra-samples sampled sets)."""
+    with the target's replies (one set, plus --distill-extra-samples sampled sets; --reply-sets
+    keeps some of them)."""
     conversations = conversation_messages(
         training_conversations(config.num_conversations, config.data_path, config.conversation_offset,
                                reserved=config.val_conversations),
@@ -219,8 +220,7 @@ def training_sequences(engine: Engine, config: TrainConfig, times: dict[str, flo
     indices = range(config.conversation_offset, config.conversation_offset + len(conversations))
     if config.self_distill:
         began = time.monotonic()
-        reply_sets = [distill(engine, config, conversations, indices, sample)
-                      for sample in range(1 + config.distill_extra_samples)]
+        reply_sets = [distill(engine, config, conversations, indices, sample) for sample in config.used_reply_sets]
         conversations = [messages for replies in reply_sets for messages in replies]
         times["self_distill_s"] = time.monotonic() - began
     sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
@@ -291,7 +291,8 @@ def _metadata(config, argv, indices, sequences, vocab, capture, extraction, summ
             "conversations": f"usable conversations [{indices.start}, {indices.stop}) "
                              f"in file order (held-out rule: only the first {TRAINING_CONVERSATIONS})",
             "self_distill": config.self_distill,
-            "reply_sets": 1 + config.distill_extra_samples if config.self_distill else 1,
+            "reply_sets": len(config.used_reply_sets) if config.self_distill else 1,
+            **({"reply_set_indices": list(config.used_reply_sets)} if config.reply_sets is not None else {}),
             **data_summary(sequences),
         },
         "validation": {

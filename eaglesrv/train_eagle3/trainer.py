@@ -102,6 +102,12 @@ class TrainSummary:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
+def target_logprobs(hidden: torch.Tensor, target_rows: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The target's log-distribution over the draft vocabulary at `temperature`, from its
+    final hidden states [n, H] and its lm_head rows of the draft vocabulary [V, H]."""
+    return torch.log_softmax(hidden @ target_rows.T / temperature, dim=-1)
+
+
 class Trainer:
     def __init__(
         self,
@@ -208,7 +214,7 @@ class Trainer:
         with torch.no_grad():
             target = torch.zeros(batch["valid"].shape + (len(self.target_rows),), device=self.device)
             rows = batch["hidden"][batch["valid"]].float()
-            target[batch["valid"]] = torch.log_softmax(rows @ self.target_rows.T, dim=-1)
+            target[batch["valid"]] = target_logprobs(rows, self.target_rows, self.config.target_temperature)
         with self.autocast():
             result = ttt_loss(self.draft, batch["input_ids"], batch["aux"], target, batch["valid"],
                               self.config.ttt_steps, self.config.loss_decay)
