@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Train the default model's EAGLE-3 head on the lent GPU machine; bring it back under $OUT.
 #
-# Here first, the replies (about 25 min per reply set on a 2-core CPU, three sets; resumable;
-# the GPU run regenerates what is missing):
+# Here first, the replies (about 27 min per reply set on a 2-core CPU, two sets; resumable;
+# the GPU run regenerates what is missing; on 2026-12-04 set 1 was done and set 2 had begun):
 #   bash scripts/device/train_head.sh --distill-here
 # then: python scripts/device/pack.py pack   (writes .devcarry/a, b, ..., the replies in the last)
 # Then one device call per folder (three in December 2026), back to back while the machine stays warm:
@@ -23,15 +23,18 @@
 set -euo pipefail
 run=.devcarry/run
 model=(--model-path .devcarry/unpacked/SmolLM2-135M-Instruct.Q4_1.gguf --data-path .devcarry/unpacked/train_split.json)
-# The recipe. It starts from the shipped head: ten CPU stages have shown it 9.2M
+# The recipe. It starts from the shipped head: eleven CPU stages have shown it 10.5M
 # distinct reply tokens, more than one GPU call can distil, and its 8,192-token vocabulary
-# holds 93% of unseen greedy replies' tokens (docs/training_pilots.md). Greedy replies to
-# every training conversation but the validation ones, and two extra sampled replies each
-# (new text is what moved the CPU stages most; seed 7 draws sets no stage has seen). The
+# holds 93% of unseen greedy replies' tokens (docs/training_pilots.md). Two sampled replies
+# to every training conversation but the validation ones, drawn under seed 7: stage 11
+# trained one epoch on the first set, no stage has seen the second. Not the greedy replies:
+# stages 9 and 10 took four epochs of them, and a fifth pass lowered the validation
+# (docs/training_pilots.md); they are distilled for the validation conversations only. The
 # authors' 7-step unroll, big batches for the GPU. The shipped head's commands are in its README.
 recipe=(--init-from eaglesrv/heads/smollm2-135m-eagle3 --self-distill --max-turns 1 --max-seq-len 512
-        --distill-max-new-tokens 256 --distill-batch-size 256 --distill-extra-samples 2 --val-conversations 100
-        --ttt-steps 7 --epochs 6 --lr 1e-3 --warmup-steps 50 --batch-tokens 32768 --checkpoint-every 20 --seed 7)
+        --distill-max-new-tokens 256 --distill-batch-size 256 --distill-extra-samples 2 --reply-sets 1 2
+        --val-conversations 100 --ttt-steps 7 --epochs 3 --lr 1e-3 --warmup-steps 50 --batch-tokens 32768
+        --checkpoint-every 20 --seed 7)
 
 if [[ ${1:-} == --distill-here ]]; then  # on this machine: the same paths, so the caches' keys match there
   [[ -f .devcarry/unpacked/train_split.json ]] || { python3 scripts/device/pack.py pack && python3 scripts/device/pack.py unpack; }
