@@ -179,15 +179,15 @@ def decode_time(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[int
     return tokens, time.perf_counter() - first_at
 
 
-def decode_side_by_side(engines: dict[Any, Engine], prompts: list[list[int]], max_tokens: int,
-                        desc: str = "batch-1 speed") -> dict[Any, tuple[int, float]]:
+def decode_side_by_side(engines: dict[Any, Engine], prompts: list[list[int]],
+                        max_tokens: int) -> dict[Any, tuple[int, float]]:
     """Every engine decodes every prompt alone, the order reversed every other prompt, so that
     the machine's drift and cache warmth hit all alike: {key: (tokens, seconds)}."""
     for engine in engines.values():
         engine.warmup()
     totals = {key: [0, 0.0] for key in engines}
     order = list(engines.items())
-    for i, prompt in enumerate(tqdm(prompts, desc=desc, unit="prompt")):
+    for i, prompt in enumerate(tqdm(prompts, desc="batch-1 speed", unit="prompt")):
         for key, engine in order if i % 2 == 0 else reversed(order):
             tokens, seconds = decode_time(engine, prompt, max_tokens)
             totals[key][0] += tokens
