@@ -2,7 +2,7 @@
 
 eval_acceptance --speed-prompts times one head's trees. Comparing heads across two such runs
 mixes in the machine's drift; this runs every (head, tree) engine and a plain one in one
-process, each prompt through all of them, in an order reversed every prompt. A head whose
+process, each prompt through all of them, the order reversed every other prompt. A head whose
 draft vocabulary is larger accepts more but pays for a larger lm_head in every draft pass:
 this shows which wins on the machine at hand.
 
