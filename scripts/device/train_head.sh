@@ -2,7 +2,7 @@
 # Train the default model's EAGLE-3 head on the lent GPU machine; bring it back under $OUT.
 #
 # Here first, the replies (about 27 min per reply set on a 2-core CPU, two sets; resumable;
-# the GPU run regenerates what is missing; on 2026-12-04 set 1 was done and set 2 had begun):
+# the GPU run regenerates what is missing; both sets were done here on 2026-12-05):
 #   bash scripts/device/train_head.sh --distill-here
 # then: python scripts/device/pack.py pack   (writes .devcarry/a, b, ..., the replies in the last)
 # Then one device call per folder (three in December 2026), back to back while the machine stays warm:
@@ -23,11 +23,11 @@
 set -euo pipefail
 run=.devcarry/run
 model=(--model-path .devcarry/unpacked/SmolLM2-135M-Instruct.Q4_1.gguf --data-path .devcarry/unpacked/train_split.json)
-# The recipe. It starts from the shipped head: eleven CPU stages have shown it 10.5M
+# The recipe. It starts from the shipped head: twelve CPU stages have shown it 11.8M
 # distinct reply tokens, more than one GPU call can distil, and its 8,192-token vocabulary
 # holds 93% of unseen greedy replies' tokens (docs/training_pilots.md). Two sampled replies
-# to every training conversation but the validation ones, drawn under seed 7: stage 11
-# trained one epoch on the first set, no stage has seen the second. Not the greedy replies:
+# to every training conversation but the validation ones, drawn under seed 7: stages 11
+# and 12 trained one epoch on the first and the second set. Not the greedy replies:
 # stages 9 and 10 took four epochs of them, and a fifth pass lowered the validation
 # (docs/training_pilots.md); they are distilled for the validation conversations only. The
 # authors' 7-step unroll, big batches for the GPU. The shipped head's commands are in its README.
