@@ -70,6 +70,8 @@ def test_greedy_equals_plain_while_the_mode_switches_every_step(tiny_llama_dir, 
     assert stats["spec_verifications"] > 0 and stats["spec_steps_plain"] > 0 and stats["spec_steps_speculative"] > 0
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
     assert len(engine.runner.adaptive.backlog) == 0 and not engine.runner.roots  # all forgotten on finish
+    pool = engine.runner.adaptive.backlog.pool  # a row per KV slot, of the draft's input width
+    assert pool.shape == (engine.runner.target_kv.k.shape[1], engine.runner.draft.fc.in_features)
 
 
 def test_greedy_equals_plain_with_the_measured_policy(tiny_llama_dir, head_dir):
@@ -84,12 +86,14 @@ def test_greedy_equals_plain_with_the_measured_policy(tiny_llama_dir, head_dir):
     assert again.runner.adaptive.costs.target.seconds == costs.target.seconds
 
 
-def test_draft_kv_after_a_plain_spell_equals_always_drafting(tiny_llama_dir, head_dir):
+@pytest.mark.parametrize("limit", [2048, 5])  # 5: the prompt and the spell drain in pieces
+def test_draft_kv_after_a_plain_spell_equals_always_drafting(tiny_llama_dir, head_dir, limit):
     """Decode 12 tokens plainly, then one speculative step (which catches the draft up);
     the draft's K/V for every position before the root must equal those of an engine that
     prefilled the same tokens with the draft running."""
     prompt = random_prompts([20], 256, seed=7)[0]
     engine = adaptive_engine(tiny_llama_dir, head_dir, (3, 2, 6))
+    engine.runner.adaptive.backlog.limit = limit
     use_script(engine, [(None, 1)] * 13 + [(TreeShape.of(3, 2, 6), 1)])
     request_id = engine.add_request(prompt, GREEDY.replace(max_tokens=40))
     outputs = []

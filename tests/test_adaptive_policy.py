@@ -246,20 +246,36 @@ def test_candidate_shapes_stay_inside_the_configured_tree():
                                                        TreeShape.of(3, 1, 4)]
 
 
-def test_backlog_holds_every_piece_in_order_across_growth():
+def _backlog(num_pages=64, page_size=4, width=6, limit=2048):
     import torch
 
     from eaglesrv.engine.adaptive.backlog import FeatureBacklog
 
-    backlog = FeatureBacklog()
-    features = torch.randn(300, 6)
-    assert backlog.hold("a", 10, list(range(100)), features[:100]) == 100  # a prompt, then one token a step
-    for i in range(100, 300):
-        assert backlog.hold("a", 10 + i, [i], features[i : i + 1]) == i + 1
-    assert backlog.length("a") == 300 and backlog.end("a") == 310
-    start, tokens, held = backlog.take("a")
-    assert start == 10 and tokens == list(range(300)) and torch.equal(held, features)
-    assert backlog.take("a") is None and len(backlog) == 0
+    backlog = FeatureBacklog.allocate(num_pages, page_size, width, torch.float32, torch.device("cpu"))
+    backlog.limit = limit
+    return backlog
+
+
+def test_backlog_holds_every_piece_in_order_at_its_requests_slots():
+    """Two requests on interleaved, out-of-order pages: each gets back its own features in
+    position order, held a prompt at a time and then a token a step."""
+    import torch
+
+    from eaglesrv.engine.adaptive.backlog import HeldStep
+
+    backlog = _backlog()
+    pages = {"a": [9, 2, 30, 4, 17, 11, 0, 5], "b": [1, 8, 3, 29, 6, 12, 7, 10]}  # 32 positions each
+    features = {rid: torch.randn(30, 6) for rid in pages}
+    assert backlog.hold([HeldStep(rid, pages[rid], 1, list(range(10))) for rid in pages],
+                        torch.cat([features[rid][:10] for rid in pages])) == []
+    for i in range(10, 30):
+        backlog.hold([HeldStep(rid, pages[rid], 1 + i, [i]) for rid in pages],
+                     torch.cat([features[rid][i : i + 1] for rid in pages]))
+    assert backlog.length("a") == 30 and backlog.end("a") == 31 and len(backlog) == 2
+    for rid in pages:
+        start, tokens, held = backlog.take(rid, pages[rid])
+        assert start == 1 and tokens == list(range(30)) and torch.equal(held, features[rid])
+    assert backlog.take("a", pages["a"]) is None and len(backlog) == 0
 
 
 def test_backlog_restarts_where_a_recomputed_request_resumes():
@@ -267,20 +283,33 @@ def test_backlog_restarts_where_a_recomputed_request_resumes():
     would desynchronize the draft, so the backlog starts over there."""
     import torch
 
-    from eaglesrv.engine.adaptive.backlog import FeatureBacklog
+    from eaglesrv.engine.adaptive.backlog import HeldStep
 
-    backlog = FeatureBacklog()
+    backlog = _backlog()
+    pages = list(range(10, 20))
     features = torch.randn(50, 6)
-    backlog.hold("a", 0, list(range(40)), features[:40])
-    assert backlog.hold("a", 20, list(range(10)), features[40:]) == 10
-    start, tokens, held = backlog.take("a")
+    backlog.hold([HeldStep("a", pages, 0, list(range(40)))], features[:40])
+    backlog.hold([HeldStep("a", pages, 20, list(range(10)))], features[40:])
+    start, tokens, held = backlog.take("a", pages)
     assert start == 20 and tokens == list(range(10)) and torch.equal(held, features[40:])
+
+
+def test_backlog_reports_requests_past_its_limit():
+    import torch
+
+    from eaglesrv.engine.adaptive.backlog import HeldStep
+
+    backlog = _backlog(limit=8)
+    pages = list(range(8))
+    assert backlog.hold([HeldStep("a", pages, 0, list(range(8))), HeldStep("b", list(range(8, 16)), 0, [5])],
+                        torch.randn(9, 6)) == []
+    assert backlog.hold([HeldStep("a", pages, 8, [8]), HeldStep("b", list(range(8, 16)), 1, [6])], torch.randn(2, 6)) == ["a"]
 
 
 def test_a_plain_spell_repeats_its_decision_only_while_the_load_stands():
     from eaglesrv.engine.adaptive.controller import PLAIN_RECHECK_STEPS, AdaptiveSpeculation
 
-    adaptive = AdaptiveSpeculation(TreeShape.of(5, 8, 32), knee_costs(16, 0.002))
+    adaptive = AdaptiveSpeculation(TreeShape.of(5, 8, 32), knee_costs(16, 0.002), _backlog())
     searches = []
     search = adaptive.policy.decide
     adaptive.policy.decide = lambda load: searches.append(load.decoding) or search(load)

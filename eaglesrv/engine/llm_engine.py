@@ -23,6 +23,7 @@ from eaglesrv.engine.model.arch import ModelArch
 from eaglesrv.engine.model.cpu_layout import wants_input_major
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.model_runner import ModelRunner
+from eaglesrv.engine.adaptive.backlog import FeatureBacklog
 from eaglesrv.engine.adaptive.calibrate import load_or_measure
 from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.eagle3.head_io import load_draft_head
@@ -81,8 +82,11 @@ class Engine:
         draft_bytes_per_token = KVPool.bytes_per_token(self.draft.config.arch, self.dtype) if self.draft else 0
         if self.draft is not None:
             weight_bytes += sum(p.numel() * p.element_size() for p in self.draft.parameters())
+        adaptive = config.speculative.enabled and config.speculative.adaptive
+        feature_width = self.draft.fc.in_features if adaptive else 0  # a row of the backlog's pool
         num_pages = kv_pool_pages(
-            config.cache, self.arch, self.dtype, self.device, weight_bytes, extra_bytes_per_token=draft_bytes_per_token
+            config.cache, self.arch, self.dtype, self.device, weight_bytes,
+            extra_bytes_per_token=draft_bytes_per_token + FeatureBacklog.bytes_per_token(feature_width, self.dtype),
         )
         self.kv = KVPool(self.arch, num_pages, config.cache.page_size, self.dtype, self.device)
         attention = create_attention_backend(config.runtime.attention_backend, config.cache.page_size, self.device)
@@ -101,9 +105,11 @@ class Engine:
                 config.speculative.num_steps, config.speculative.eagle_topk, self.runner.num_nodes,
                 self.runner.capture_layers, "; adaptive (these are the largest)" if config.speculative.adaptive else "",
             )
-            if config.speculative.adaptive:
+            if adaptive:
                 costs = load_or_measure(self.runner, self.scheduler.pages, config.scheduler.max_running_requests)
-                self.runner.adaptive = AdaptiveSpeculation(self.runner.largest, costs)
+                backlog = FeatureBacklog.allocate(num_pages, config.cache.page_size, feature_width, self.dtype,
+                                                  self.device)
+                self.runner.adaptive = AdaptiveSpeculation(self.runner.largest, costs, backlog)
         self._seed_source = random.Random(config.model.random_seed)
         self._stats_logger = StepStatsLogger()
         self._inbox_lock = threading.Lock()  # guards the three fields below

@@ -49,7 +49,8 @@ def kv_pool_pages(
     extra_bytes_per_token: int = 0,
 ) -> int:
     """How many pages the KV pool gets, from --max-total-tokens or the memory fraction.
-    extra_bytes_per_token: a second pool indexed by the same pages (the draft's)."""
+    extra_bytes_per_token: other pools indexed by the same pages (the draft's KV, the
+    adaptive backlog's features)."""
     per_token = KVPool.bytes_per_token(arch, dtype) + extra_bytes_per_token
     if cache.max_total_tokens is not None:
         tokens = cache.max_total_tokens

@@ -19,12 +19,13 @@ PLAIN_RECHECK_STEPS = 3  # steps a plain decision may be repeated without a sear
 
 
 class AdaptiveSpeculation:
-    def __init__(self, largest: TreeShape, costs: CostModel, hysteresis: float = HYSTERESIS) -> None:
+    def __init__(self, largest: TreeShape, costs: CostModel, backlog: FeatureBacklog,
+                 hysteresis: float = HYSTERESIS) -> None:
         self.largest = largest
         self.costs = costs
         self.acceptance = AcceptanceTable(largest.steps, largest.topk)
         self.policy = SpeculationPolicy(largest, costs, self.acceptance, hysteresis)
-        self.backlog = FeatureBacklog()
+        self.backlog = backlog
         self.last: Decision | None = None
         self.steps = {"plain": 0, "speculative": 0}
         self._logged_shape: object = "unset"
@@ -34,10 +35,11 @@ class AdaptiveSpeculation:
         self._repeats = 0  # steps that repeated that decision since
 
     def restart(self) -> "AdaptiveSpeculation":
-        """The same measured costs with nothing learnt: after warm-up, whose first-call
-        steps and dummy prompts say nothing about real traffic."""
+        """The same measured costs and feature pool with nothing learnt or held: after
+        warm-up, whose first-call steps and dummy prompts say nothing about real traffic."""
         fresh = CostModel(self.costs.target, self.costs.logits, self.costs.draft, self.costs.context_tokens)
-        return AdaptiveSpeculation(self.largest, fresh, self.policy.hysteresis)
+        self.backlog.clear()
+        return AdaptiveSpeculation(self.largest, fresh, self.backlog, self.policy.hysteresis)
 
     def repeat_plain(self, decoding: int, other_rows: int, eligible_ids: list[str]) -> Decision | None:
         """The last decision again, without a search, when it chose plain decoding for a

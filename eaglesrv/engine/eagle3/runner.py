@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglesrv.configs import SpeculativeConfig
+from eaglesrv.engine.adaptive.backlog import HeldStep
 from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.adaptive.policy import StepLoad
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
@@ -198,7 +199,7 @@ class Eagle3Runner:
         without speculation: afterwards its root state sits at its root."""
         entries = []
         for seq in seqs:
-            held = self.adaptive.backlog.take(seq.request_id)
+            held = self.adaptive.backlog.take(seq.request_id, seq.page_table)
             if held is not None:
                 start, tokens, features = held
                 entries.append(_ExtendEntry(seq, start, tokens, features, keeps_root=True))
@@ -303,15 +304,14 @@ class Eagle3Runner:
 
     def _hold(self, held, features) -> list["_ExtendEntry"]:
         """Put non-speculating sequences' features in the backlog; returns extends for
-        backlogs that grew past the limit (drained now, to bound memory)."""
+        backlogs that grew past the limit (drained now, to keep catch-ups bounded)."""
         backlog = self.adaptive.backlog
-        gathered = features[self._tensor([row for _, _, rows in held for row in rows])]  # one copy for all
-        drained, offset = [], 0
-        for seq, committed, rows in held:
-            piece = gathered[offset : offset + len(rows)]
-            offset += len(rows)
-            if backlog.hold(seq.request_id, seq.num_cached, committed, piece) > backlog.limit:
-                start, tokens, piece = backlog.take(seq.request_id)
+        steps = [HeldStep(seq.request_id, seq.page_table, seq.num_cached, committed) for seq, committed, _ in held]
+        over = backlog.hold(steps, features[self._tensor([row for _, _, rows in held for row in rows])])
+        drained = []
+        for seq, _, _ in held:
+            if seq.request_id in over:
+                start, tokens, piece = backlog.take(seq.request_id, seq.page_table)
                 drained.append(_ExtendEntry(seq, start, tokens, piece, keeps_root=seq.sample))
         return drained
 
