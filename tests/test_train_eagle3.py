@@ -317,6 +317,23 @@ def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, t
     assert len(cache.read_text().splitlines()) == 1 + 6
 
 
+def test_each_reply_set_keeps_its_own_feature_cache(chat_model, sharegpt, tmp_path):
+    """Training on sets 0 and 1 caches each set's target features apart, so a later stage
+    over set 1 alone (or with a new set) reads them instead of running the target again.
+    (The key holds the draft vocabulary too: a later stage keeps its parent's.)"""
+    out = tmp_path / "both"
+    argv = train_argv(chat_model, sharegpt, out, "--self-distill", "--distill-extra-samples", "1", "--max-steps", "1")
+    argv[argv.index("--num-conversations") + 1] = "4"
+    argv[argv.index("--max-seq-len") + 1] = "64"
+    both = main(argv)
+    caches = sorted((out / "work").glob("features-*"))
+    assert len(caches) == 2 and both["throughput_tok_s"]["features"] > 0
+    alone = main(argv + ["--reply-sets", "1", "--init-from", str(out), "--output-dir", str(tmp_path / "one"),
+                         "--work-dir", str(out / "work")])
+    assert sorted((out / "work").glob("features-*")) == caches and alone["throughput_tok_s"]["features"] == 0
+    assert alone["data"]["sequences"] < both["data"]["sequences"]
+
+
 def test_init_from_continues_a_trained_head(chat_model, sharegpt, trained, tmp_path):
     out, _, log = trained
     further = tmp_path / "further"

@@ -172,13 +172,16 @@ def _write_manifest(directory: Path, manifest: dict) -> None:
 
 
 class FeatureCache:
-    """Read access to the extracted shards: one sequence's tensors by index."""
+    """Read access to the extracted shards of one or more caches, in order: one sequence's
+    tensors by index."""
 
-    def __init__(self, directory: Path) -> None:
-        manifest = json.loads((directory / "manifest.json").read_text())
-        if not manifest.get("complete"):
-            raise ValueError(f"feature cache {directory} is incomplete")
-        self.shards = [torch.load(directory / s["file"], mmap=True, weights_only=True) for s in manifest["shards"]]
+    def __init__(self, directories: Path | Sequence[Path]) -> None:
+        self.shards = []
+        for directory in [directories] if isinstance(directories, Path) else directories:
+            manifest = json.loads((directory / "manifest.json").read_text())
+            if not manifest.get("complete"):
+                raise ValueError(f"feature cache {directory} is incomplete")
+            self.shards += [torch.load(directory / s["file"], mmap=True, weights_only=True) for s in manifest["shards"]]
         self.index: list[tuple[int, int, int]] = []  # (shard, start, end) per sequence
         for shard_id, shard in enumerate(self.shards):
             offsets = shard["offsets"].tolist()

@@ -39,7 +39,7 @@ from eaglesrv.train_eagle3.data import (
     training_conversations, validation_conversations,
 )
 from eaglesrv.train_eagle3.distill import regenerate
-from eaglesrv.train_eagle3.features import FeatureCache, extract_features
+from eaglesrv.train_eagle3.features import ExtractionStats, FeatureCache, extract_features
 from eaglesrv.train_eagle3.trainer import Trainer
 from eaglesrv.train_eagle3.validate import chain_acceptance
 from eaglesrv.train_eagle3.vocab import DraftVocab, build_draft_vocab, grown_vocab, vocab_of
@@ -143,7 +143,8 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     times["load_target_s"] = time.monotonic() - started
     if config.distill_only:
         return distilled_only(engine, config, times)
-    indices, sequences = training_sequences(engine, config, times)
+    indices, groups = training_sequences(engine, config, times)
+    sequences = [sequence for group in groups for sequence in group]
     parent = load_parent(config.init_from, engine) if config.init_from else None
     if parent is not None and config.grow_draft_vocab:
         vocab = grown_vocab(parent.draft_to_target.cpu(), sequences, config.grow_draft_vocab, engine.arch.vocab_size)
@@ -155,13 +156,17 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
 
     hf_config = head_config(engine, vocab)
     capture = Eagle3Config.from_hf_config(hf_config).capture_layers(engine.arch.num_layers)
-    feature_key = _digest([sequences_digest(sequences), vocab.draft_to_target.tolist(), config.target_dtype,
-                           config.model_path, list(capture)])
-    features_dir = work / f"features-{feature_key}"
+    # One feature cache per reply set, so that a later run over other sets reuses each one.
+    feature_keys = [_digest([sequences_digest(group), vocab.draft_to_target.tolist(), config.target_dtype,
+                             config.model_path, list(capture)]) for group in groups]
+    features_dirs = [work / f"features-{key}" for key in feature_keys]
     began = time.monotonic()
-    extraction = extract_features(
-        engine, sequences, features_dir, feature_key, capture, vocab.target_mask(engine.arch.vocab_size),
-        config.batch_tokens, progress=config.progress)
+    extraction = ExtractionStats()
+    for group, key, directory in zip(groups, feature_keys, features_dirs):
+        stats = extract_features(engine, group, directory, key, capture, vocab.target_mask(engine.arch.vocab_size),
+                                 config.batch_tokens, progress=config.progress)
+        extraction.tokens += stats.tokens
+        extraction.seconds += stats.seconds
     times["features_s"] = time.monotonic() - began
     began = time.monotonic()
     validation = validation_features(engine, config, capture)
@@ -182,8 +187,8 @@ def run(config: TrainConfig, argv: Sequence[str] | None = None) -> dict[str, Any
     validate = None if validation is None else (
         lambda head: chain_acceptance(head, validation, config.ttt_steps, config.batch_tokens, device))
     deadline = None if config.time_limit is None else started + config.time_limit
-    trainer = Trainer(draft, target_rows, FeatureCache(features_dir), config,
-                      config.fingerprint(*RUN_FIELDS) + feature_key, device, validate, deadline)
+    trainer = Trainer(draft, target_rows, FeatureCache(features_dirs), config,
+                      config.fingerprint(*RUN_FIELDS) + "".join(feature_keys), device, validate, deadline)
     summary = trainer.train()
     times["train_s"] = time.monotonic() - began
     write_head(draft.cpu(), hf_config, config.output_dir, config.save_dtype)
@@ -201,7 +206,8 @@ def distilled_only(engine: Engine, config: TrainConfig, times: dict[str, float])
     --work-dir (the model and data paths are part of the caches' key: give the same ones)."""
     if config.val_conversations:
         validation_replies(engine, config)
-    indices, sequences = training_sequences(engine, config, times)
+    indices, groups = training_sequences(engine, config, times)
+    sequences = [sequence for group in groups for sequence in group]
     caches = sorted(str(distill_cache(config, sample)) for sample in config.used_reply_sets)
     summary = {"conversations": f"[{indices.start}, {indices.stop})", **data_summary(sequences),
                "distill_caches": caches, "times_s": {k: round(v, 1) for k, v in times.items()}}
@@ -209,10 +215,11 @@ def distilled_only(engine: Engine, config: TrainConfig, times: dict[str, float])
     return summary
 
 
-def training_sequences(engine: Engine, config: TrainConfig, times: dict[str, float]) -> tuple[range, list[TrainingSequence]]:
-    """The conversations' indices in the file, and their training sequences: as written, or
-    with the target's replies (one set, plus --distill-extra-samples sampled sets; --reply-sets
-    keeps some of them)."""
+def training_sequences(engine: Engine, config: TrainConfig,
+                       times: dict[str, float]) -> tuple[range, list[list[TrainingSequence]]]:
+    """The conversations' indices in the file, and their training sequences, one group per
+    reply set: as written (one group), or with the target's replies (one set, plus
+    --distill-extra-samples sampled sets; --reply-sets keeps some of them)."""
     conversations = conversation_messages(
         training_conversations(config.num_conversations, config.data_path, config.conversation_offset,
                                reserved=config.val_conversations),
@@ -221,12 +228,13 @@ def training_sequences(engine: Engine, config: TrainConfig, times: dict[str, flo
     if config.self_distill:
         began = time.monotonic()
         reply_sets = [distill(engine, config, conversations, indices, sample) for sample in config.used_reply_sets]
-        conversations = [messages for replies in reply_sets for messages in replies]
         times["self_distill_s"] = time.monotonic() - began
-    sequences = encode_all(engine.tokenizer, conversations, config.max_seq_len)
-    if not sequences:
+    else:
+        reply_sets = [conversations]
+    groups = [encode_all(engine.tokenizer, replies, config.max_seq_len) for replies in reply_sets]
+    if not any(groups):
         raise ValueError("no training sequence has reply tokens; check --num-conversations and --max-seq-len")
-    return indices, sequences
+    return indices, [group for group in groups if group]
 
 
 def distill(engine: Engine, config: TrainConfig, conversations: list[Messages], indices: range,
