@@ -48,7 +48,8 @@ inline void prefetch_token(const scalar_t* token, int64_t bytes) {
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
-// Scratch space of one thread, sized for the longest row.
+// Scratch space of one thread, sized for the longest row. `block` holds the AVX-512 item's
+// 16 widened tokens (kBlock) of every kv head.
 struct Scratch {
   std::vector<float> scores, query, acc, best, total, block;
   Scratch(const Shape& s, int64_t longest)
