@@ -57,6 +57,28 @@ struct Scratch {
         acc(s.num_heads * s.head_dim), best(s.num_heads), total(s.num_heads), block(16 * s.num_kv_heads * s.head_dim) {}
 };
 
+// Each head's scores [heads, num_keys] become exp(score - best[h]); total[h] gets their sum
+// (0 when every key is masked, and then the weights are all 0).
+inline void softmax_rows(float* scores, int64_t heads, int64_t num_keys, const float* best, float* total) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * num_keys;
+    if (best[h] <= kMasked) {  // every key masked: no weights at all
+      std::fill(sh, sh + num_keys, 0.f);
+      total[h] = 0.f;
+      continue;
+    }
+    const float top = best[h];
+    float sum = 0.f;
+    // exp(kMasked - top) is 0, so masked keys drop out without a branch.
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < num_keys; ++j) {
+      sh[j] = std::exp(sh[j] - top);
+      sum += sh[j];
+    }
+    total[h] = sum;
+  }
+}
+
 // Query heads [h0, h1) of one row, h0/h1 on kv-head boundaries. Index h - h0 everywhere
 // in the scratch arrays.
 template <typename scalar_t>
@@ -102,23 +124,7 @@ void attend_item(const Shape& shape, const scalar_t* q_row, const scalar_t* k_ca
     }
   }
 
-  for (int64_t h = 0; h < heads; ++h) {
-    float* sh = scores + h * num_keys;
-    if (best[h] <= kMasked) {  // every key masked: no weights at all
-      std::fill(sh, sh + num_keys, 0.f);
-      total[h] = 0.f;
-      continue;
-    }
-    const float top = best[h];
-    float sum = 0.f;
-    // exp(kMasked - top) is 0, so masked keys drop out without a branch.
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < num_keys; ++j) {
-      sh[j] = std::exp(sh[j] - top);
-      sum += sh[j];
-    }
-    total[h] = sum;
-  }
+  softmax_rows(scores, heads, num_keys, best, total);
 
   std::fill(acc, acc + heads * dim, 0.f);
   for (int64_t first = 0; first < num_keys; first += shape.page_size) {
@@ -276,22 +282,7 @@ void attend_item_avx512(const Shape& shape, const scalar_t* q_row, const scalar_
     }
   });
 
-  for (int64_t h = 0; h < heads; ++h) {
-    float* sh = scores + h * num_keys;
-    const float top = best[h];
-    total[h] = 0.f;
-    if (top <= kMasked) {  // every key masked: no weights at all
-      std::fill(sh, sh + num_keys, 0.f);
-      continue;
-    }
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < num_keys; ++j) {
-      sh[j] = std::exp(sh[j] - top);
-      sum += sh[j];
-    }
-    total[h] = sum;
-  }
+  softmax_rows(scores, heads, num_keys, best, total);
 
   std::fill(sums, sums + heads * dim, 0.f);
   for_each_block(shape, v_cache, page_table, num_keys, kv0, width, block, [&](const float* values, int64_t j0, int64_t size) {
