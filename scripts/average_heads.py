@@ -61,16 +61,22 @@ def _model_config(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in _FILE_KEYS}
 
 
-def average_heads(heads: Sequence[tuple[Path, float]]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config of the first head, the weighted mean of every head's tensors)."""
+def normalized(heads: Sequence[tuple[Path, float]]) -> list[tuple[Path, float]]:
+    """The heads with their weights divided by the weights' sum (which must be positive)."""
     if len(heads) < 2:
         raise HeadAverageError("give at least two heads to average")
-    first_dir = heads[0][0]
-    config, first = _read_head(first_dir)
     total = sum(weight for _, weight in heads)
     if total <= 0:
         raise HeadAverageError(f"the weights sum to {total:g}; they must sum to a positive number")
-    sums = {name: t.float() * (heads[0][1] / total) if t.is_floating_point() else t for name, t in first.items()}
+    return [(directory, weight / total) for directory, weight in heads]
+
+
+def average_heads(heads: Sequence[tuple[Path, float]]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config of the first head, the sum of every head's tensors times its weight);
+    `heads` as `normalized` returns them."""
+    first_dir = heads[0][0]
+    config, first = _read_head(first_dir)
+    sums = {name: t.float() * heads[0][1] if t.is_floating_point() else t for name, t in first.items()}
     for directory, weight in heads[1:]:
         other_config, tensors = _read_head(directory)
         if _model_config(other_config) != _model_config(config):
@@ -82,7 +88,7 @@ def average_heads(heads: Sequence[tuple[Path, float]]) -> tuple[dict, dict[str, 
                 raise HeadAverageError(f"{name}: shape {tuple(tensor.shape)} in {directory}, "
                                        f"{tuple(first[name].shape)} in {first_dir}")
             if tensor.is_floating_point():
-                sums[name] += tensor.float() * (weight / total)
+                sums[name] += tensor.float() * weight
             elif not torch.equal(tensor, first[name]):
                 raise HeadAverageError(f"{directory} and {first_dir} map different draft vocabularies ({name}); "
                                        "their lm_head rows stand for different tokens")
@@ -99,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     p.add_argument("heads", nargs="+", metavar="DIR[:WEIGHT]", help="head directories, each with an optional weight")
     args = p.parse_args(argv)
     try:
-        heads = [parse_weighted(text) for text in args.heads]
+        heads = normalized([parse_weighted(text) for text in args.heads])
         config, tensors = average_heads(heads)
     except HeadAverageError as exc:
         p.error(str(exc))
@@ -107,8 +113,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    total = sum(weight for _, weight in heads)
-    sources = [{"path": str(d), "weight": w / total, "sha256": _digest(d / "model.safetensors")} for d, w in heads]
+    sources = [{"path": str(d), "weight": w, "sha256": _digest(d / "model.safetensors")} for d, w in heads]
     command = "python scripts/average_heads.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (out / "AVERAGE.json").write_text(json.dumps({"command": command, "heads": sources}, indent=2))
     return out
