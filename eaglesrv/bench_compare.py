@@ -2,8 +2,9 @@
 
 Starts `python -m eaglesrv.launch` once per configuration (plain; one EAGLE-3 server per
 --eagle-configs entry; one adaptive server per --adaptive-configs entry; any --config
-NAME=FLAGS), sends the same ShareGPT prompts at each of --concurrencies (--rounds times
-each, interleaved across the configurations), and writes to --output-dir:
+NAME=FLAGS, from another eaglesrv source tree with --config-source NAME=DIR), sends the
+same ShareGPT prompts at each of --concurrencies (--rounds times each, interleaved across
+the configurations), and writes to --output-dir:
   bench_compare.md    output tok/s (and the ratio to plain), accept length, TTFT, ITL
   bench_compare.json  the same runs in full, with the machine and the settings
   throughput.png      output tok/s against concurrency, one line per configuration
@@ -18,17 +19,18 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from eaglesrv.bench.compare_configs import EagleTree, ServerConfig, build_configs
-from eaglesrv.bench.compare_report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, require_matplotlib
-from eaglesrv.bench.compare_run import CompareSettings, run_comparison
-from eaglesrv.bench.serving_client import BACKENDS
-from eaglesrv.bench.serving_dataset import DatasetRow, summarize
-from eaglesrv.bench.serving_tokenizer import load_tokenizer
+from eaglesrv.bench.compare.configs import EagleTree, ServerVariant, build_configs, with_sources
+from eaglesrv.bench.compare.report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, require_matplotlib
+from eaglesrv.bench.compare.run import CompareSettings, run_comparison
+from eaglesrv.bench.serving.client import BACKENDS
+from eaglesrv.bench.serving.dataset import DatasetRow, summarize
+from eaglesrv.bench.serving.tokenizer import load_tokenizer
 from eaglesrv.bench_serving import add_dataset_args, fill_defaults, requests_from_args
 
 SMOKE_CONCURRENCIES = "1,2"
@@ -59,6 +61,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help='one more configuration, e.g. --config "adaptive=--speculative-algorithm EAGLE3 ..." '
                         "(repeatable)")
+    p.add_argument("--config-source", action="append", default=[], metavar="NAME=DIR",
+                   help="run configuration NAME's server from the eaglesrv source tree at DIR (which holds "
+                        "eaglesrv/, e.g. a `git worktree add DIR REV`) instead of the installed eaglesrv, to "
+                        "compare code revisions in one run (repeatable)")
     p.add_argument("--concurrencies", type=_concurrencies, default=None,
                    help=f"requests in flight, comma-separated (default 1,4,16,64; {SMOKE_CONCURRENCIES} "
                         "with --smoke)")
@@ -101,9 +107,9 @@ def _check_server_args(server_args: Sequence[str]) -> None:
                          "--server-args: the tokenizer that counts tokens must be the served model's")
 
 
-def describe(args: argparse.Namespace, rows: Sequence[DatasetRow], configs: Sequence[ServerConfig]) -> list[str]:
+def describe(args: argparse.Namespace, rows: Sequence[DatasetRow], configs: Sequence[ServerVariant]) -> list[str]:
     """The lines above the table: what ran, on what."""
-    from eaglesrv.bench.report import machine_info
+    from eaglesrv.bench.machine import machine_info
 
     m = machine_info()
     if args.dataset_name == "random":
@@ -120,6 +126,7 @@ def describe(args: argparse.Namespace, rows: Sequence[DatasetRow], configs: Sequ
         f"backend {args.backend}",
         "Server flags: " + "; ".join(f"{c.name}: `{shlex.join([*c.server_args, *shlex.split(args.server_args)])}`"
                                      for c in configs),
+        *[_source_line(c) for c in configs if c.source_dir],
         "vs plain: output tok/s over plain's at the same concurrency. Accept length: tokens per verification.",
         *([f"{args.rounds} rounds per configuration and concurrency, interleaved, order reversed each round; "
            "rows pool the rounds (tokens over time); 'each round': the range of the per-round ratios."]
@@ -127,7 +134,12 @@ def describe(args: argparse.Namespace, rows: Sequence[DatasetRow], configs: Sequ
     ]
 
 
-def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerConfig], runs: list[dict]) -> list[str]:
+def _source_line(config: ServerVariant) -> str:
+    revision = source_revision(config.source_dir)
+    return f"{config.name} runs eaglesrv from `{config.source_dir}`" + (f" ({revision})" if revision else "")
+
+
+def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerVariant], runs: list[dict]) -> list[str]:
     problems = []
     for config in configs:
         for c in args.concurrencies:
@@ -146,7 +158,7 @@ def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerConfig], ru
     return problems
 
 
-def run_context(args: argparse.Namespace, argv: Sequence[str] | None, configs: Sequence[ServerConfig],
+def run_context(args: argparse.Namespace, argv: Sequence[str] | None, configs: Sequence[ServerVariant],
                 server_args: Sequence[str], header: list[str], num_rows: int) -> dict[str, Any]:
     """What the JSON records beside the runs: the command, the settings, each server's flags."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -156,9 +168,37 @@ def run_context(args: argparse.Namespace, argv: Sequence[str] | None, configs: S
         "title": f"Output throughput, {num_rows} prompts, {args.model_path or DEFAULT_MODEL}",
         "command": shlex.join(command), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "header": header,
         "settings": settings,
-        "configs": [{"name": c.name, "server_args": [*model_args(args), *c.server_args, *server_args]}
+        "configs": [{"name": c.name, "server_args": [*model_args(args), *c.server_args, *server_args],
+                     **({"source_dir": str(c.source_dir), "source_revision": source_revision(c.source_dir)}
+                        if c.source_dir else {})}
                     for c in configs],
     }
+
+
+def source_revision(source_dir: Path | None) -> str | None:
+    """`git describe` of a source tree that is a checkout or worktree of its own, else None:
+    a path under /tmp says nothing a month later; a commit does."""
+    if source_dir is None or not (source_dir / ".git").exists():  # not a tree of an enclosing checkout
+        return None
+    try:
+        done = subprocess.run(["git", "-C", str(source_dir), "describe", "--always", "--dirty", "--abbrev=12"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):  # no git here
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def build_variants(args: argparse.Namespace) -> list[ServerVariant]:
+    """Every configuration to run; a bad --config, --eagle-configs or --config-source stops
+    here, before any server starts."""
+    try:
+        configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config,
+                                args.adaptive_configs, default_model=args.model_path is None)
+        return with_sources(configs, args.config_source)
+    except ValueError as e:
+        raise SystemExit(f"bench_compare: {e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,8 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_matplotlib()
     server_args = tuple(shlex.split(args.server_args))
     _check_server_args(server_args)
-    configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config, args.adaptive_configs,
-                            default_model=args.model_path is None)
+    configs = build_variants(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model_path)  # None: the default model's
     rows = requests_from_args(args, tokenizer)
     print(summarize(rows))

@@ -23,9 +23,10 @@ from typing import Any, Sequence
 
 import torch
 
-from eaglesrv.bench.report import machine_info, markdown_table
-from eaglesrv.bench.timing import load_transformers_model, summarize, time_eaglesrv, time_transformers
-from eaglesrv.bench.workload import chat_prompt_ids, run_continuous, sharegpt_workload
+from eaglesrv.bench.machine import machine_info
+from eaglesrv.bench.offline.report import markdown_table
+from eaglesrv.bench.offline.timing import load_transformers_model, summarize, time_eaglesrv, time_transformers
+from eaglesrv.bench.offline.workload import chat_prompt_ids, run_continuous, sharegpt_workload
 from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from eaglesrv.engine.llm_engine import Engine
 

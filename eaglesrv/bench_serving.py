@@ -19,13 +19,13 @@ from typing import Any, Sequence
 
 import httpx
 
-from eaglesrv.bench.serving_client import BACKENDS, DEFAULT_PORTS
-from eaglesrv.bench.serving_dataset import (
+from eaglesrv.bench.serving.client import BACKENDS, DEFAULT_PORTS
+from eaglesrv.bench.serving.dataset import (
     SPLITS, DatasetRow, sample_random_requests, sample_sharegpt_requests, summarize,
 )
-from eaglesrv.bench.serving_metrics import missing_report_lines
-from eaglesrv.bench.serving_run import BenchResult, BenchSettings, append_jsonl, run_benchmark
-from eaglesrv.bench.serving_tokenizer import load_tokenizer, pick_tokenizer_spec
+from eaglesrv.bench.serving.metrics import missing_report_lines
+from eaglesrv.bench.serving.run import BenchResult, BenchSettings, append_jsonl, run_benchmark
+from eaglesrv.bench.serving.tokenizer import load_tokenizer, pick_tokenizer_spec
 
 # --smoke: a handful of short requests, enough to prove every part of the pipeline works.
 SMOKE_DEFAULTS = {"num_prompts": 4, "sharegpt_output_len": 16, "random_input_len": 64, "random_output_len": 16}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from eaglesrv import SamplingParams
-from eaglesrv.bench.workload import sharegpt_workload
+from eaglesrv.bench.offline.workload import sharegpt_workload
 from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from eaglesrv.engine.llm_engine import Engine
 

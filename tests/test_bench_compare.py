@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from eaglesrv.bench.compare_configs import EagleTree, ServerConfig, build_configs
-from eaglesrv.bench.compare_report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, pool_rounds, write_outputs
-from eaglesrv.bench.compare_run import schedule
-from eaglesrv.bench.server_launcher import ManagedServer
-from eaglesrv.bench_compare import parse_args
+from eaglesrv.bench.compare.configs import EagleTree, ServerVariant, build_configs
+from eaglesrv.bench.compare.launcher import ManagedServer, ServerStartError
+from eaglesrv.bench.compare.report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, pool_rounds, write_outputs
+from eaglesrv.bench.compare.run import schedule
+from eaglesrv.bench_compare import build_variants, main, parse_args, run_context, source_revision
 
 # The run the issue asks for, word for word.
 ISSUE_COMMAND = (
@@ -58,6 +60,71 @@ def test_configuration_flags() -> None:
         ManagedServer(["--port", "1"], log_path="unused.log")
 
 
+def source_tree(root: Path, launch: str = "") -> Path:
+    """A directory laid out like an eaglesrv checkout: root/eaglesrv/__init__.py (and launch.py)."""
+    (root / "eaglesrv").mkdir(parents=True)
+    (root / "eaglesrv" / "__init__.py").write_text("")
+    if launch:
+        (root / "eaglesrv" / "launch.py").write_text(launch)
+    return root
+
+
+def test_config_source_runs_that_configuration_from_the_given_tree(tmp_path, monkeypatch) -> None:
+    before = source_tree(tmp_path / "before")
+    args = parse_args(["--config", "before=--num-threads 1", "--config", "after=--num-threads 1",
+                       "--config-source", f"before={before}"])
+    configs = build_variants(args)
+    assert [(c.name, c.source_dir) for c in configs] == [("plain", None), ("before", before), ("after", None)]
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    server = ManagedServer(configs[1].server_args, tmp_path / "before.log", source_dir=configs[1].source_dir)
+    assert server.command[1:3] == ["-m", "eaglesrv.launch"]  # the same command; only the path differs
+    assert server.env["PYTHONPATH"] == os.pathsep.join([str(before), "/elsewhere"])
+    assert server.env["PYTHONSAFEPATH"] == "1"  # else the working directory's eaglesrv/ comes first
+    installed = ManagedServer(configs[2].server_args, tmp_path / "after.log").env
+    assert installed["PYTHONPATH"] == "/elsewhere" and "PYTHONSAFEPATH" not in installed
+
+    # The JSON records each tree; a tree that is a git checkout of its own, its revision too.
+    context = run_context(args, [], configs, (), [], 2)
+    assert "source_dir" not in context["configs"][0]
+    assert (context["configs"][1]["source_dir"], context["configs"][1]["source_revision"]) == (str(before), None)
+    git = ["git", "-C", str(before), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "before"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+    assert head.startswith(source_revision(before))
+
+
+def test_the_server_really_imports_eaglesrv_from_the_source_tree(tmp_path, monkeypatch) -> None:
+    # Run from this checkout, whose own eaglesrv/ `python -m` would otherwise find first.
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    tree = source_tree(tmp_path / "tree", launch="import eaglesrv; print('imported', eaglesrv.__file__); exit(3)")
+    server = ManagedServer([], tmp_path / "server.log", startup_timeout_s=60, source_dir=tree)
+    with pytest.raises(ServerStartError, match="exited with 3") as failed:
+        server.start()
+    assert f"imported {tree / 'eaglesrv' / '__init__.py'}" in str(failed.value)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config-source", "nobody=."], "no configuration has that name"),
+    (["--config-source", "plain"], 'takes "NAME=DIR"'),
+    (["--config-source", "plain=NOT_A_TREE"], "has no eaglesrv/__init__.py"),
+    (["--config-source", "plain=TREE", "--config-source", "plain=TREE"], "given twice"),
+])
+def test_a_bad_config_source_stops_before_any_server_starts(tmp_path, monkeypatch, flags, message) -> None:
+    tree = source_tree(tmp_path / "tree")
+    flags = [f.replace("NOT_A_TREE", str(tmp_path)).replace("TREE", str(tree)) for f in flags]
+
+    def too_late(*_args, **_kwargs):
+        raise AssertionError("the check must come before the tokenizer, the prompts and the servers")
+
+    monkeypatch.setattr("eaglesrv.bench_compare.load_tokenizer", too_late)
+    monkeypatch.setattr("eaglesrv.bench_compare.run_comparison", too_late)
+    with pytest.raises(SystemExit, match=message):
+        main(flags)
+
+
 def fake_run(config: str, concurrency: int, throughput: float, accept: float | None = None, round_number: int = 1,
              tokens: int = 100, itl: float = 20.0) -> dict:
     return {"config": config, "max_concurrency": concurrency, "round": round_number, "request_rate": float("inf"),
@@ -67,7 +134,7 @@ def fake_run(config: str, concurrency: int, throughput: float, accept: float | N
 
 
 def test_rounds_alternate_the_order_and_keep_one_concurrency_together() -> None:
-    a, b, c = (ServerConfig(name, ()) for name in "abc")
+    a, b, c = (ServerVariant(name, ()) for name in "abc")
     assert schedule([a, b], [1, 4], 1) == [(a, 1, 1), (a, 4, 1), (b, 1, 1), (b, 4, 1)]  # one server at a time
     assert [(cfg.name, conc, r) for cfg, conc, r in schedule([a, b, c], [1, 4], 3)] == [
         ("a", 1, 1), ("b", 1, 1), ("c", 1, 1), ("c", 1, 2), ("b", 1, 2), ("a", 1, 2), ("a", 1, 3), ("b", 1, 3),
@@ -134,8 +201,8 @@ def small_random_head(head_dir) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_smoke_run_starts_each_server_and_writes_a_complete_comparison(tmp_path, rounds) -> None:
-    from eaglesrv.bench.serving_metrics import missing_report_lines
-    from eaglesrv.bench.serving_tokenizer import load_tokenizer
+    from eaglesrv.bench.serving.metrics import missing_report_lines
+    from eaglesrv.bench.serving.tokenizer import load_tokenizer
 
     head = small_random_head(tmp_path / "head")
     # A tokenizer directory spares each server the GGUF tokenizer conversion; dummy weights

@@ -16,13 +16,13 @@ import time
 import httpx
 import pytest
 
-from eaglesrv.bench.serving_client import RequestInput, native_generate, openai_chat, openai_completions
-from eaglesrv.bench.serving_dataset import DatasetRow, sample_random_requests, sample_sharegpt_requests
-from eaglesrv.bench.serving_metrics import (
+from eaglesrv.bench.serving.client import RequestInput, native_generate, openai_chat, openai_completions
+from eaglesrv.bench.serving.dataset import DatasetRow, sample_random_requests, sample_sharegpt_requests
+from eaglesrv.bench.serving.metrics import (
     OPTIONAL_LABELS, REPORT_LABELS, compute_metrics, missing_report_lines, parse_report,
 )
-from eaglesrv.bench.serving_run import BenchSettings, accept_length_between, benchmark
-from eaglesrv.bench.serving_tokenizer import pick_tokenizer_spec
+from eaglesrv.bench.serving.run import BenchSettings, accept_length_between, benchmark
+from eaglesrv.bench.serving.tokenizer import pick_tokenizer_spec
 from eaglesrv.bench_serving import parse_args
 from eaglesrv.data import TRAINING_CONVERSATIONS
 from server_fixtures import API_KEY, live_server  # noqa: F401 (fixture)
@@ -231,11 +231,11 @@ def test_poisson_arrivals_spread_the_requests() -> None:
 
 
 def test_metrics_follow_sglangs_definitions() -> None:
-    from eaglesrv.bench.serving_client import RequestOutput
+    from eaglesrv.bench.serving.client import RequestRecord
 
-    outs = [RequestOutput(True, "a b c", latency=1.0, ttft=0.2, itl=[0.4, 0.4], prompt_len=10, output_len=3),
-            RequestOutput(True, "a", latency=0.5, ttft=0.5, itl=[], prompt_len=6, output_len=1),
-            RequestOutput(False, error="boom", prompt_len=99)]
+    outs = [RequestRecord(True, "a b c", latency=1.0, ttft=0.2, itl=[0.4, 0.4], prompt_len=10, output_len=3),
+            RequestRecord(True, "a", latency=0.5, ttft=0.5, itl=[], prompt_len=6, output_len=1),
+            RequestRecord(False, error="boom", prompt_len=99)]
     m = compute_metrics(outs, 2.0, WordTokenizer())
     assert (m.completed, m.failed, m.total_input, m.total_output, m.total_output_retokenized) == (2, 1, 16, 4, 4)
     assert m.output_throughput == 2.0 and m.request_throughput == 1.0 and m.total_throughput == 10.0
