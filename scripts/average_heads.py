@@ -11,7 +11,7 @@ and are divided by that sum. Every head must have the same config and draft voca
 (d2t): a row of lm_head stands for a token, and rows of different tokens must not mix.
 Floating tensors are combined in float32 and written in the first head's dtype; the
 vocabulary maps are copied. OUT gets config.json, model.safetensors and AVERAGE.json (the
-inputs, their weights and file digests). `docs/training_pilots.md` has what it gave.
+inputs, their weights and file digests). `docs/training_heads.md` has what it gave.
 """
 
 from __future__ import annotations

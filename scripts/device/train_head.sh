@@ -25,14 +25,14 @@ run=.devcarry/run
 model=(--model-path .devcarry/unpacked/SmolLM2-135M-Instruct.Q4_1.gguf --data-path .devcarry/unpacked/train_split.json)
 # The recipe. It starts from the shipped head: fourteen CPU stages have shown it 14.4M
 # distinct reply tokens, more than one GPU call can distil, and its 8,192-token vocabulary
-# holds 93% of unseen greedy replies' tokens (docs/training_pilots.md). Two sampled replies
+# holds 93% of unseen greedy replies' tokens (docs/training_heads.md). Two sampled replies
 # to every training conversation but the validation ones, drawn under seed 7: stages 11
 # and 12 trained one epoch on the first and the second set, stage 13 went over both and a
 # third for 1,800 steps, stage 14 over all three and a fourth for 2,000 (sets 3 and 4 were
 # distilled here and are not carried). Not the greedy replies:
 # stages 9 and 10 took four epochs of them, and a fifth pass lowered the validation
-# (docs/training_pilots.md); they are distilled for the validation conversations only. The
-# authors' 7-step unroll, big batches for the GPU. The shipped head's commands are in its README.
+# (docs/training_heads.md); they are distilled for the validation conversations only. The
+# authors' 7-step unroll, big batches for the GPU. Each stage's command is in the head's TRAINING.json.
 recipe=(--init-from eaglesrv/heads/smollm2-135m-eagle3 --self-distill --max-turns 1 --max-seq-len 512
         --distill-max-new-tokens 256 --distill-batch-size 256 --distill-extra-samples 2 --reply-sets 1 2
         --val-conversations 100 --ttt-steps 7 --epochs 3 --lr 1e-3 --warmup-steps 50 --batch-tokens 32768
