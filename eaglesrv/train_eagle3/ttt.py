@@ -63,7 +63,7 @@ def unroll(
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     everywhere = torch.ones(batch, length, dtype=torch.bool, device=input_ids.device)
     positions = torch.arange(length, device=input_ids.device).expand(batch, length)
-    hidden = draft.fc(aux)
+    hidden = draft.project_features(aux)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for step in range(steps):
@@ -114,7 +114,7 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
 
 def draft_logits(draft: Eagle3DraftModel, hidden: torch.Tensor) -> torch.Tensor:
     """[..., H] pre-norm output -> [..., draft_vocab] logits, as the engine computes them."""
-    return draft.lm_head(draft.norm(hidden))
+    return draft.logits(hidden)
 
 
 @dataclass

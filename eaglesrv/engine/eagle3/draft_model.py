@@ -2,17 +2,24 @@
 
 One decoder layer that reads the target's features instead of only tokens:
 
-    features  = fc([h_low; h_mid; h_high])             3 x target hidden -> H  (first step)
+    features  = fc([h_low; h_mid; h_high])             3 x target hidden -> H  (first step;
+                                                        SpecForge's fc_norm heads RMS-normalize
+                                                        each of the three first)
               | previous draft output (pre-norm)        H                       (later steps)
     x         = [input_layernorm(embed(token)); hidden_norm(features)]   width 2H
     h         = features + o_proj(attention(q/k/v(x)))
     out       = h + mlp(post_attention_layernorm(h))   (pre-norm: fed to the next draft step)
-    logits    = lm_head(norm(out))                     over the draft vocabulary
+    logits    = lm_head(norm(out))                     over the draft vocabulary (no norm when
+                                                        the config says norm_output: false)
     target id = draft id + d2t[draft id]
 
 Checkpoint tensors: fc, midlayer.{input_layernorm, hidden_norm, post_attention_layernorm},
 midlayer.self_attn.{q,k,v,o}_proj, midlayer.mlp.{gate,up,down}_proj, norm, lm_head, d2t,
-t2d (unused here), and optionally embed_tokens (else the target's is used).
+t2d (unused here), optionally embed_tokens (else the target's is used), and fc_norm.{0,1,2}
+when the config sets fc_norm (SpecForge's "eagle3.1" heads).
+
+Which target layers feed the draft: eagle_aux_hidden_state_layer_ids, inside eagle_config
+(where SGLang reads it) or at the top level (where vLLM does); the ids name layer outputs.
 """
 
 from __future__ import annotations
@@ -35,12 +42,17 @@ class DraftHeadError(ValueError):
     """The draft checkpoint is malformed or does not fit the target; the message says what."""
 
 
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
 @dataclass(frozen=True)
 class Eagle3Config:
     arch: ModelArch  # shape of the draft's single layer (num_layers = 1)
     target_hidden_size: int
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...] | None  # layer *outputs* named by the checkpoint, or None
+    fc_norm: bool = False  # RMSNorm each target layer's features before fc (SpecForge "eagle3.1")
+    norm_output: bool = True  # final norm before lm_head (SpecForge lets a head drop it)
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> "Eagle3Config":
@@ -48,20 +60,48 @@ class Eagle3Config:
         if architectures and architectures[0] not in ("LlamaForCausalLMEagle3", "LlamaForCausalLM"):
             raise DraftHeadError(f"draft architecture {architectures[0]!r} is not an EAGLE-3 Llama head")
         arch = ModelArch.from_hf_config({**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
-        eagle = config.get("eagle_config") or {}
-        layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         return cls(
             arch=arch,
             target_hidden_size=int(config.get("target_hidden_size") or arch.hidden_size),
             draft_vocab_size=int(config.get("draft_vocab_size") or arch.vocab_size),
-            aux_layer_ids=tuple(layer_ids) if layer_ids else None,
+            aux_layer_ids=_aux_layer_ids(config),
+            fc_norm=bool(config.get("fc_norm", False)),
+            norm_output=bool(config.get("norm_output", True)),
         )
 
     def capture_layers(self, target_num_layers: int) -> tuple[int, ...]:
-        """Target layers whose *inputs* feed the draft (SGLang's convention)."""
+        """Target layers whose *inputs* feed the draft (SGLang's convention); refuses ids
+        the target does not have. The output of layer i is the input of layer i + 1, so an
+        id may name layers -1 (the embeddings) .. L - 2 of an L-layer target."""
         if self.aux_layer_ids is None:
             return (2, target_num_layers // 2, target_num_layers - 3)
-        return tuple(i + 1 for i in self.aux_layer_ids)  # output of layer i = input of layer i + 1
+        outside = [i for i in self.aux_layer_ids if not -1 <= i <= target_num_layers - 2]
+        if outside:
+            raise DraftHeadError(
+                f"the head takes features from target layers {list(self.aux_layer_ids)} ({AUX_IDS_KEY}), but "
+                f"the target has {target_num_layers} layers: ids must lie in -1..{target_num_layers - 2}"
+            )
+        return tuple(i + 1 for i in self.aux_layer_ids)
+
+    def with_max_positions(self, max_positions: int) -> "Eagle3Config":
+        return dataclasses.replace(self, arch=dataclasses.replace(self.arch, max_position_embeddings=max_positions))
+
+
+def _aux_layer_ids(config: dict[str, Any]) -> tuple[int, ...] | None:
+    """The ids from eagle_config or the top level; both given and different is refused."""
+    nested = (config.get("eagle_config") or {}).get(AUX_IDS_KEY)
+    top = config.get(AUX_IDS_KEY)
+    if nested and top and list(nested) != list(top):
+        raise DraftHeadError(
+            f"the head's config gives two different {AUX_IDS_KEY}: {list(nested)} in eagle_config and "
+            f"{list(top)} at the top level"
+        )
+    ids = nested or top
+    if not ids:
+        return None
+    if len(ids) != 3 or not all(isinstance(i, int) for i in ids):
+        raise DraftHeadError(f"{AUX_IDS_KEY} must be three layer ids, got {ids!r}")
+    return tuple(ids)
 
 
 class DraftLayer(nn.Module):
@@ -88,6 +128,8 @@ class Eagle3DraftModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.fc = nn.Linear(3 * config.target_hidden_size, arch.hidden_size, bias=False)
+        self.fc_norm = nn.ModuleList(
+            [RMSNorm(config.target_hidden_size, arch.rms_norm_eps) for _ in range(3)]) if config.fc_norm else None
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.midlayer = DraftLayer(arch, self.rotary_emb)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -107,10 +149,21 @@ class Eagle3DraftModel(nn.Module):
         pre-norm output [num_tokens, hidden] that feeds the next draft step. An extend needs
         logits at one row per request only; the output layer is the dearest part of a row."""
         if features.shape[-1] != self.config.arch.hidden_size:  # the target's three layers
-            features = self.fc(features)
+            features = self.project_features(features)
         out = self.midlayer(positions, self.embed_tokens(input_ids), features, ctx)
         wanted = out if logit_rows is None else out[logit_rows]
-        return F.linear(self.norm(wanted), self.lm_head.weight).float(), out
+        return self.logits(wanted).float(), out
+
+    def project_features(self, target_features: torch.Tensor) -> torch.Tensor:
+        """[..., 3 * target hidden] -> [..., H]: the first draft step's input features."""
+        if self.fc_norm is not None:
+            chunks = target_features.chunk(3, dim=-1)
+            target_features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(target_features)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[..., H] pre-norm output -> [..., draft_vocab] logits, in the model's dtype."""
+        return F.linear(self.norm(out) if self.config.norm_output else out, self.lm_head.weight)
 
     # ---- weights ---------------------------------------------------------------------
     @torch.no_grad()
@@ -128,7 +181,8 @@ class Eagle3DraftModel(nn.Module):
                 continue
             target, part = fused_target(name)
             if target not in params:
-                raise DraftHeadError(f"draft checkpoint has an unexpected tensor {name!r}")
+                hint = " (an fc_norm head whose config lacks \"fc_norm\": true)" if name.startswith("fc_norm.") else ""
+                raise DraftHeadError(f"draft checkpoint has an unexpected tensor {name!r}{hint}")
             destination = params[target] if part is None else part_view(params[target], target, part, self.config.arch)
             if tuple(destination.shape) != tuple(tensor.shape):
                 raise DraftHeadError(
@@ -144,7 +198,8 @@ class Eagle3DraftModel(nn.Module):
                 )
             self.embed_tokens.weight.copy_(target_embedding)
             loaded.add("embed_tokens.weight")
-        missing = sorted(set(_REQUIRED) - loaded)
+        required = set(_REQUIRED) | ({f"fc_norm.{i}.weight" for i in range(3)} if self.fc_norm is not None else set())
+        missing = sorted(required - loaded)
         if missing:
             raise DraftHeadError(f"draft checkpoint lacks {', '.join(missing)}")
         self._set_vocab_map(d2t)

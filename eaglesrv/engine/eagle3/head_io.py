@@ -94,7 +94,8 @@ def load_draft_head(
             raise DraftHeadError(f"cannot load the EAGLE-3 head: {exc}") from exc
         hf_config, weights = source.hf_config, source.iter_weights
         logger.info("EAGLE-3 head: %s", source.description)
-    config = Eagle3Config.from_hf_config(hf_config)
+    config = _fit_positions(Eagle3Config.from_hf_config(hf_config), target_arch)
+    config.capture_layers(target_arch.num_layers)  # refuse layer ids the target lacks now, not at the first request
     if config.target_hidden_size != target_arch.hidden_size:
         raise DraftHeadError(
             f"head expects target hidden size {config.target_hidden_size}, the target has {target_arch.hidden_size}"
@@ -110,3 +111,17 @@ def load_draft_head(
     else:
         model.load_weights(weights(), target_embedding)
     return model.eval()
+
+
+def _fit_positions(config: Eagle3Config, target: ModelArch) -> Eagle3Config:
+    """The draft runs at the target's positions, so its rotary table spans the target's
+    context whatever the head declares: the published Llama-3.1 heads say 2,048 (their
+    training length) for a 131k-token target. Below the declared length nothing changes."""
+    declared = config.arch.max_position_embeddings
+    if declared == target.max_position_embeddings:
+        return config
+    logger.info(
+        "EAGLE-3 head declares max_position_embeddings %d; using the target's %d", declared,
+        target.max_position_embeddings,
+    )
+    return config.with_max_positions(target.max_position_embeddings)
