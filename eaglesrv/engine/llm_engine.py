@@ -79,6 +79,8 @@ class Engine:
 
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.draft = self._load_draft() if config.speculative.enabled else None
+        if self.draft is not None:  # every position a request may reach must be in both rotary tables
+            self.max_context_len = min(self.max_context_len, self.draft.config.arch.max_position_embeddings)
         draft_bytes_per_token = KVPool.bytes_per_token(self.draft.config.arch, self.dtype) if self.draft else 0
         if self.draft is not None:
             weight_bytes += sum(p.numel() * p.element_size() for p in self.draft.parameters())
