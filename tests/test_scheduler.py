@@ -176,3 +176,57 @@ def test_a_lone_request_stops_when_the_pool_is_full():
     outputs = run_to_completion(scheduler)
     assert len(outputs["a"]) == 5  # 3 + 5 = 8 tokens = the whole pool
     assert scheduler.pages.num_free == 2
+
+
+def decode_once(scheduler: Scheduler) -> list[int]:
+    """One step with fake outputs; the lookahead each sequence was given."""
+    batch = scheduler.schedule()
+    scheduler.update(batch, [SequenceResult.single(w, fake_next_token(w)) for w in batch.sequences if w.sample])
+    return [w.lookahead for w in batch.sequences]
+
+
+def test_lookahead_comes_from_free_pages_and_preempts_nobody():
+    scheduler = Scheduler(SchedulerConfig(admission_watermark=0.0), num_pages=8, page_size=4, decode_lookahead=5)
+    scheduler.add(make_request("a", 10, max_tokens=20))
+    scheduler.add(make_request("b", 11, max_tokens=20))
+    decode_once(scheduler)  # both prefill: a holds 3 pages, b 3, 2 free
+    batch = scheduler.schedule()
+    # a's tree needs 11 + 5 = 16 slots, 4 pages: one more, free. b's would need 2 more: none left,
+    # so b decodes plainly, and nobody is preempted for a draft.
+    assert [(w.request_id, w.lookahead, len(w.page_table)) for w in batch.sequences] == [("a", 5, 4), ("b", 0, 3)]
+    assert batch.preempted_ids == []
+    scheduler.update(batch, [SequenceResult.single(w, 5) for w in batch.sequences])
+    assert len(scheduler.running[0].page_table) == 3, "the tree's pages come back after the step"
+
+
+def test_no_lookahead_past_the_context_or_without_a_budget_for_the_tree():
+    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=4), num_pages=64, page_size=4, decode_lookahead=5,
+                          decode_cost=6)
+    request = make_request("a", 3, max_tokens=None)
+    request.max_context_len = 12
+    scheduler.add(request)
+    lookaheads = [decode_once(scheduler)]  # the prefill
+    lookaheads.append(decode_once(scheduler))  # a budget of 4 cannot take a 6-row tree: plainly, but it runs
+    scheduler.config = SchedulerConfig()
+    while scheduler.has_work:
+        lookaheads.append(decode_once(scheduler))
+    # root at 4, 5, 6: its tree's last slot is 10, 11, 12 <= 12; from root 7 on, no tree fits the context
+    assert lookaheads == [[0], [0], [5], [5], [5], [0], [0], [0], [0]]
+
+
+def test_admission_takes_pages_for_the_whole_prompt():
+    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=8, admission_watermark=0.0), num_pages=10, page_size=4)
+    scheduler.add(make_request("long", 30))
+    batch = scheduler.schedule()
+    assert len(batch.sequences[0].token_ids) == 8 and len(batch.sequences[0].page_table) == 8
+
+
+def test_a_step_that_leaves_the_oldest_request_out_raises():
+    from eaglesrv.scheduler.scheduler import NoProgress
+
+    scheduler = Scheduler(SchedulerConfig(), num_pages=4, page_size=4)
+    scheduler.add(make_request("a", 4, max_tokens=8))
+    decode_once(scheduler)
+    scheduler.pages.allocate(scheduler.pages.num_free)  # pages leaked elsewhere: "a" cannot grow
+    with pytest.raises(NoProgress, match="'a'.*got nothing this step"):
+        scheduler.schedule()

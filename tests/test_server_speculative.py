@@ -87,3 +87,31 @@ def test_adaptive_server_reports_its_mode(tiny_llama_dir, tmp_path_factory):
     assert info["spec_adaptive"] is True and info["spec_steps_plain"] + info["spec_steps_speculative"] > 0
     assert 'eaglesrv:spec_mode{knob="num_steps"' in metrics and "eaglesrv:spec_adaptive_steps_total" in metrics
     assert list(cache.glob("cost_models/*.json")), "the measured cost model is cached"
+
+
+def test_advertised_context_is_what_speculation_serves(tiny_llama_dir, tmp_path_factory):
+    """With the pool smaller than the model's context, every endpoint advertises the pool's
+    size, a prompt one token short of it is served (the tree does not fit there: that
+    request decodes plainly), and one token more is a 400 at admission."""
+    head = save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("edge-head"))
+    server = LiveServer(
+        "--model-path", tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--max-total-tokens", "256",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-num-steps", "5",
+        "--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "32",
+    )
+    prompts = [random_prompts((250,), 256, seed=9)[0], random_prompts((256,), 256, seed=9)[0]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = Engine(engine_config(tiny_llama_dir)).generate(prompts[:1], params)[0].output_token_ids
+    try:
+        with server.wait_healthy().client() as http:
+            assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 256
+            assert http.get("/get_server_info").json()["context_length"] == 256
+            assert http.get("/get_model_info").json()["context_length"] == 256
+            served = http.post("/generate", json={"input_ids": prompts[0], "sampling_params": {
+                "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
+            assert served["output_ids"] == expected and served["meta_info"]["finish_reason"]["type"] == "length"
+            refused = http.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 1})
+            assert refused.status_code == 400 and "maximum context length is 256" in refused.text
+            assert http.get("/health").status_code == 200
+    finally:
+        server.stop()

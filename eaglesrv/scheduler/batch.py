@@ -23,7 +23,7 @@ class SequenceWork:
     request_id: str
     token_ids: list[int]  # tokens to compute now: a prefill chunk, or the last sampled token
     num_cached: int  # tokens of this sequence already in the KV cache (positions start here)
-    page_table: list[int]  # pages for num_cached + len(token_ids) tokens, plus any lookahead, in order
+    page_table: list[int]  # pages for num_cached + len(token_ids) + lookahead tokens, in order
     sample: bool  # this chunk reaches the end of the sequence: sample the next token(s)
     params: SamplingParams
     seed: int
@@ -31,6 +31,7 @@ class SequenceWork:
     next_token_id: int | None = None  # the known token after this chunk (None when it is to be sampled)
     max_context_len: int = 1 << 30  # positions this sequence may reach
     suppressed_token_ids: tuple[int, ...] = ()  # EOS and stop ids while fewer than min_tokens are out
+    lookahead: int = 0  # KV slots reserved past this chunk for a draft tree; 0: decode plainly
 
 
 @dataclass(frozen=True)

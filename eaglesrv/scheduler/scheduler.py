@@ -1,10 +1,21 @@
 """Continuous batching over a paged KV cache.
 
-Each step: running requests first (oldest first, one token each when decoding, or their
-next prefill chunk), then waiting requests are admitted while the token budget, the
-running-request cap and the free pages allow. When a running request needs a page and
-none is free, the newest running request is preempted: its pages are freed and it goes
-back to the front of the queue, to be recomputed later (prompt + tokens generated so far).
+Each step, in three passes:
+  1. running requests, oldest first: one token each when decoding, or their next prefill
+     chunk. When one needs a page and none is free, the newest running request is
+     preempted: its pages are freed and it goes back to the front of the queue, to be
+     recomputed later (prompt + tokens generated so far).
+  2. lookahead: decoding requests that may speculate get KV slots for a draft tree past
+     their next token, from free pages only. Speculation is optional work: a request that
+     gets none decodes plainly (same output), and nobody is preempted for a draft.
+  3. waiting requests are admitted while the token budget, the running-request cap and
+     the free pages allow; an admitted request gets pages for its whole prefill at once,
+     so that its later chunks never preempt anyone.
+
+Progress is checked every step (NoProgress): with work to do, the batch holds the oldest
+running request, or with none running, the first waiting one. The oldest running request
+always fits alone (a request's context is capped at the pool's size), so a step without it
+is a bug, not a state to wait out.
 """
 
 from __future__ import annotations
@@ -22,9 +33,13 @@ class RequestRejected(ValueError):
     """The request can never run (e.g. its prompt does not fit); the message says why."""
 
 
+class NoProgress(RuntimeError):
+    """A step would leave the oldest request behind: a scheduler bug, raised rather than stall."""
+
+
 class Scheduler:
-    """decode_lookahead: KV slots a decoding request needs beyond its own tokens (the draft
-    tree and the draft's scratch under speculation; 0 for plain decoding).
+    """decode_lookahead: KV slots past its next token that a decoding request may use for
+    a draft tree and the draft's scratch (0 for plain decoding).
     decode_cost: tokens a decoding request counts against the per-step token budget."""
 
     def __init__(
@@ -84,29 +99,37 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.token_budget or math.inf
-        work: list[SequenceWork] = []
+        oldest = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
+        planned: list[tuple[Request, int]] = []  # (request, tokens to compute), in batch order
+        drafting: list[Request] = []  # decoding requests whose tree the budget can take
         preempted: list[str] = []
 
+        # 1. running requests
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
             decoding = remaining == 1
-            if decoding and budget < self.decode_cost:
-                break
+            may_draft = decoding and budget >= self.decode_cost
+            if decoding and not may_draft and planned:
+                break  # the rest wait for the next step; a first one always runs, plainly if need be
             count = 1 if decoding else int(min(remaining, budget))
-            reserve = count + (self.decode_lookahead if decoding else 0)
-            if not self._reserve_or_preempt(request, request.num_computed_tokens + reserve, preempted):
+            if not self._reserve_or_preempt(request, request.num_computed_tokens + count, preempted):
                 continue  # `request` itself was preempted; the list shifted under `index`
-            work.append(self._work(request, count))
-            budget -= self.decode_cost if decoding else count
+            planned.append((request, count))
+            if may_draft:
+                drafting.append(request)
+            budget -= self.decode_cost if may_draft else count
             index += 1
 
-        # Admitting right after a preemption would only thrash the pool.
+        # 2. draft-tree slots, never at anyone's expense
+        lookahead = {request.request_id: self._grant_lookahead(request) for request in drafting}
+
+        # 3. admission; admitting right after a preemption would only thrash the pool
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_running_requests:
             request = self.waiting[0]
             count = int(min(request.num_tokens, budget))
-            needed = self._pages_for(count)
+            needed = self._pages_for(request.num_tokens)
             if self.pages.num_free - needed < self._watermark_pages and self.running:
                 break
             if needed > self.pages.num_free:
@@ -115,9 +138,16 @@ class Scheduler:
             request.page_table = self.pages.allocate(needed)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            work.append(self._work(request, count))
+            planned.append((request, count))
             budget -= count
 
+        work = [self._work(request, count, lookahead.get(request.request_id, 0)) for request, count in planned]
+        if oldest is not None and oldest.request_id not in {w.request_id for w in work}:
+            raise NoProgress(
+                f"request {oldest.request_id!r} ({oldest.num_computed_tokens} of {oldest.num_tokens} tokens "
+                f"computed, {len(oldest.page_table)} pages) got nothing this step; "
+                f"{self.pages.num_free} of {self.pages.num_pages} pages free, {len(self.running)} running"
+            )
         mode = ForwardMode.IDLE
         if work:
             mode = ForwardMode.DECODE if all(len(w.token_ids) == 1 and w.sample for w in work) else ForwardMode.EXTEND
@@ -157,7 +187,7 @@ class Scheduler:
         return outputs
 
     # ---- internals -----------------------------------------------------------------
-    def _work(self, request: Request, count: int) -> SequenceWork:
+    def _work(self, request: Request, count: int, lookahead: int) -> SequenceWork:
         start = request.num_computed_tokens
         return SequenceWork(
             request_id=request.request_id,
@@ -172,7 +202,21 @@ class Scheduler:
             if start + count < request.num_tokens else None,
             max_context_len=request.max_context_len,
             suppressed_token_ids=request.suppressed_token_ids(),
+            lookahead=lookahead,
         )
+
+    def _grant_lookahead(self, request: Request) -> int:
+        """decode_lookahead slots past the next token, if the context and the free pages
+        allow it whole; else 0 (the request decodes plainly this step)."""
+        end = request.num_computed_tokens + 1 + self.decode_lookahead
+        if not self.decode_lookahead or end > request.max_context_len:
+            return 0
+        needed = self._pages_for(end) - len(request.page_table)
+        if needed > self.pages.num_free:
+            return 0
+        if needed > 0:
+            request.page_table.extend(self.pages.allocate(needed))
+        return self.decode_lookahead
 
     def _trim_pages(self, request: Request) -> None:
         """Give back pages past the computed tokens (rejected draft nodes, draft scratch)."""

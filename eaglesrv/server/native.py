@@ -90,7 +90,7 @@ def native_router(state: ServerState) -> APIRouter:
     async def get_model_info() -> Response:
         info = state.require_serving()
         return JSONResponse({"model_path": info.model_path or info.model_name, "tokenizer_path": info.tokenizer_path,
-                             "is_generation": True})
+                             "is_generation": True, "context_length": info.max_context_len})
 
     @router.post("/flush_cache")
     async def flush_cache() -> Response:

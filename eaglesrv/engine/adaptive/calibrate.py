@@ -2,7 +2,7 @@
 
 Target passes are timed at row counts 1, 2, 4, ... up to the most one step can carry,
 with the rows spread over requests of `nodes` rows each (tree-mask spans, as verification
-runs them) behind CONTEXT_TOKENS cached tokens each; the output layer (logits and argmax)
+runs them) behind CONTEXT_TOKENS cached tokens each (fewer when the KV pool is smaller); the output layer (logits and argmax)
 at the same row counts; draft passes like target passes, with topk rows per request. Each point is the fastest of three sweeps over the whole ladder after one warm-up, and
 a point below a smaller size's is raised to it (CostCurve.monotone). The result is cached
 under $EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes,
@@ -38,13 +38,14 @@ FORMAT = 3  # bump when what is measured changes
 
 def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
     """The cached cost model for this engine, measuring it first if there is none."""
-    path = (cache_dir or default_cache_dir() / "cost_models") / f"{_cache_key(runner)}.json"
+    context = measuring_context(runner, pages.num_free)
+    path = (cache_dir or default_cache_dir() / "cost_models") / f"{_cache_key(runner, context)}.json"
     if path.exists():
         model = CostModel.from_json(json.loads(path.read_text()))
         logger.info("Speculation cost model: loaded %s", path)
         return model
     started = time.monotonic()
-    model = measure(runner, pages, max_requests)
+    model = measure(runner, pages, max_requests, context)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(model.to_json(), indent=1))
@@ -55,11 +56,21 @@ def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: 
     return model
 
 
+def measuring_context(runner, free_pages: int) -> int:
+    """Cached tokens behind each measuring request: CONTEXT_TOKENS, or what a pool too
+    small for one such request leaves (a tiny test pool must still start)."""
+    page_size = runner.target_kv.page_size
+    context = min(CONTEXT_TOKENS, free_pages * page_size - runner.lookahead - 1)
+    if context < 0:
+        raise ValueError("the KV pool is too small to measure the speculation cost model")
+    return context
+
+
 @torch.inference_mode()
-def measure(runner, pages: PageAllocator, max_requests: int) -> CostModel:
+def measure(runner, pages: PageAllocator, max_requests: int, context: int = CONTEXT_TOKENS) -> CostModel:
     largest = runner.largest
     page_size = runner.target_kv.page_size
-    per_request_pages = math.ceil((CONTEXT_TOKENS + runner.lookahead + 1) / page_size)
+    per_request_pages = math.ceil((context + runner.lookahead + 1) / page_size)
     requests = min(max_requests, pages.num_free // per_request_pages)
     if requests < 1:
         raise ValueError("the KV pool is too small to measure the speculation cost model")
@@ -67,18 +78,19 @@ def measure(runner, pages: PageAllocator, max_requests: int) -> CostModel:
     try:
         target_rows = _ladder(min(MAX_TARGET_ROWS, requests * largest.nodes))
         draft_rows = _ladder(min(MAX_DRAFT_ROWS, requests * largest.topk))
-        target = _best_times([lambda m=m: _target_pass(runner, tables, m, largest.nodes) for m in target_rows])
+        target = _best_times([lambda m=m: _target_pass(runner, tables, context, m, largest.nodes)
+                              for m in target_rows])
         logits = _best_times([lambda m=m: _logits_pass(runner, m) for m in target_rows])
-        draft = _best_times([lambda r=r: _draft_pass(runner, tables, r, largest.topk) for r in draft_rows])
+        draft = _best_times([lambda r=r: _draft_pass(runner, tables, context, r, largest.topk) for r in draft_rows])
     finally:
         for table in tables:
             pages.free(table)
     return CostModel(CostCurve.monotone(target_rows, target), CostCurve.monotone(target_rows, logits),
-                     CostCurve.monotone(draft_rows, draft), CONTEXT_TOKENS)
+                     CostCurve.monotone(draft_rows, draft), context)
 
 
-def _target_pass(runner, tables, rows: int, per_request: int) -> None:
-    ids, positions, spans = _spans(tables, rows, per_request, runner.device)
+def _target_pass(runner, tables, context: int, rows: int, per_request: int) -> None:
+    ids, positions, spans = _spans(tables, context, rows, per_request, runner.device)
     ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.target_kv)
     hidden, features = runner.target(ids, positions, ctx, runner.capture_layers)
     features[:1].cpu()  # waits for the pass on an accelerator
@@ -89,8 +101,8 @@ def _logits_pass(runner, rows: int) -> None:
     runner.target.compute_logits(hidden).argmax(-1).tolist()  # verification reads every node's argmax
 
 
-def _draft_pass(runner, tables, rows: int, per_request: int) -> None:
-    ids, positions, spans = _spans(tables, rows, per_request, runner.device)
+def _draft_pass(runner, tables, context: int, rows: int, per_request: int) -> None:
+    ids, positions, spans = _spans(tables, context, rows, per_request, runner.device)
     ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.draft_kv)
     features = torch.zeros(rows, runner.draft.config.arch.hidden_size, dtype=runner.target_kv.k.dtype,
                            device=runner.device)
@@ -98,16 +110,16 @@ def _draft_pass(runner, tables, rows: int, per_request: int) -> None:
     torch.log_softmax(logits, dim=-1).cpu()
 
 
-def _spans(tables, rows: int, per_request: int, device):
+def _spans(tables, context: int, rows: int, per_request: int, device):
     spans, positions = [], []
     left = rows
     for table in tables:
         if left == 0:
             break
         n = min(per_request, left)
-        mask = torch.ones(n, CONTEXT_TOKENS + n, dtype=torch.bool).tril(CONTEXT_TOKENS) if n > 1 else None
-        spans.append(SequenceSpan(table, CONTEXT_TOKENS, n, mask))
-        positions.extend(range(CONTEXT_TOKENS, CONTEXT_TOKENS + n))
+        mask = torch.ones(n, context + n, dtype=torch.bool).tril(context) if n > 1 else None
+        spans.append(SequenceSpan(table, context, n, mask))
+        positions.extend(range(context, context + n))
         left -= n
     if left:
         raise AssertionError("not enough measuring requests for the rows asked")
@@ -142,7 +154,7 @@ def _ladder(limit: int) -> list[int]:
     return values + [limit]
 
 
-def _cache_key(runner) -> str:
+def _cache_key(runner, context: int) -> str:
     device = runner.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     described = {
@@ -158,6 +170,8 @@ def _cache_key(runner) -> str:
         "largest": [runner.largest.steps, runner.largest.topk, runner.largest.nodes],
         "torch": torch.__version__,
     }
+    if context != CONTEXT_TOKENS:  # a model measured in a tiny pool is not reused by a normal one
+        described["context"] = context
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

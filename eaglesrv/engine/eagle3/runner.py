@@ -181,7 +181,7 @@ class Eagle3Runner:
             and self._draft_is_current(seq)
             and not seq.params.uses_penalties  # penalties would change along a path
             and not seq.suppressed_token_ids  # so would min_tokens' suppression
-            and seq.num_cached + self.lookahead + 1 <= min(seq.max_context_len, self.target.arch.max_position_embeddings)
+            and seq.lookahead >= self.lookahead  # the scheduler found slots for the largest tree
         )
 
     def _draft_is_current(self, seq: SequenceWork) -> bool:
