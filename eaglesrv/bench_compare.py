@@ -1,7 +1,8 @@
 """Plain decoding against EAGLE-3 settings, side by side, at several loads.
 
-Starts `python -m eaglesrv.launch` once per configuration (plain; one EAGLE-3 server per
---eagle-configs entry; one adaptive server per --adaptive-configs entry; any --config
+Starts `python -m eaglesrv.launch` once per configuration (plain; one static EAGLE-3 server,
+SGLang's behaviour, per --eagle-configs entry; one adaptive server, eaglesrv's default, per
+--adaptive-configs entry; any --config
 NAME=FLAGS, from another eaglesrv source tree with --config-source NAME=DIR), sends the
 same ShareGPT prompts at each of --concurrencies (--rounds times each, interleaved across
 the configurations), and writes to --output-dir:
@@ -54,10 +55,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path", default=None,
                    help="the EAGLE-3 head for --eagle-configs (default model: the head eaglesrv ships)")
     p.add_argument("--eagle-configs", nargs="+", type=EagleTree.parse, default=None, metavar="STEPS,TOPK,TOKENS",
-                   help="one EAGLE-3 server per setting (SGLang's --speculative-num-steps, -eagle-topk, "
-                        "-num-draft-tokens); default with a draft path: 5,8,32")
+                   help="one static EAGLE-3 server per setting (SGLang's --speculative-num-steps, -eagle-topk, "
+                        "-num-draft-tokens; the tree at every step); default with a draft path: 5,8,32")
     p.add_argument("--adaptive-configs", nargs="+", type=EagleTree.parse, default=[], metavar="STEPS,TOPK,TOKENS",
-                   help="one --speculative-adaptive server per setting, the largest tree its steps may use")
+                   help="one adaptive server per setting, the largest tree its steps may use")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help='one more configuration, e.g. --config "adaptive=--speculative-algorithm EAGLE3 ..." '
                         "(repeatable)")

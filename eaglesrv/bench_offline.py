@@ -8,7 +8,7 @@ For each dtype, on the same weights and machine:
      up, then interleaved --repeats times (the machine is noisy) and the median kept;
   2. eaglesrv continuous batching on held-out ShareGPT prompts with --concurrency requests
      in flight, as output tok/s and as a multiple of transformers' batch-1 rate.
-Speed is reported, never asserted (DESIGN.md section 5).
+Speed is reported, never asserted (docs/architecture.md, "Rules the code relies on").
 """
 
 from __future__ import annotations

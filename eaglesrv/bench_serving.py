@@ -21,7 +21,11 @@ import httpx
 
 from eaglesrv.bench.serving.client import BACKENDS, DEFAULT_PORTS
 from eaglesrv.bench.serving.dataset import (
-    SPLITS, DatasetRow, sample_random_requests, sample_sharegpt_requests, summarize,
+    SPLITS,
+    DatasetRow,
+    sample_random_requests,
+    sample_sharegpt_requests,
+    summarize,
 )
 from eaglesrv.bench.serving.metrics import missing_report_lines
 from eaglesrv.bench.serving.run import BenchResult, BenchSettings, append_jsonl, run_benchmark

@@ -109,7 +109,8 @@ def build_engine(args: argparse.Namespace, tree: Tree | None) -> Engine:
     """An engine with EAGLE-3 at `tree`, or plain decoding for None."""
     steps, topk, draft_tokens = tree or (1, 1, 2)
     speculative = SpeculativeConfig(algorithm="EAGLE3", draft_model_path=args.draft_model_path,
-                                    num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens)
+                                    num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens,
+                                    adaptive=False)  # this tree at every step: its accept length
     return Engine(EngineConfig(
         model=ModelConfig(model_path=args.model_path, dtype=args.dtype),
         # room for every running request's longest prompt, reply and draft tree
@@ -160,7 +161,7 @@ def measure(engine: Engine, prompts: list[list[int]], temperature: float, max_to
         "verifications": verifications,
         "accept_length": (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / max(1, verifications),
         "acceptance_by_depth": [k / r if r else 0.0 for k, r in zip(kept, reached)],
-        "draft_vocab_coverage": round(draft_vocab_coverage(engine.draft.draft_to_target, tokens), 4),
+        "draft_vocab_coverage": round(draft_vocab_coverage(engine.runner.draft.draft_to_target, tokens), 4),
         "wall_s": round(seconds, 2),
         "output_tok_s": round(output_tokens / seconds, 2) if seconds else None,
     }

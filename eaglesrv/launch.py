@@ -46,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # Imported after parsing, so that --help and flag errors answer at once.
+    from eaglesrv.server.lifecycle import serve
     from eaglesrv.server.not_landed import report_ignored_flags
-    from eaglesrv.server.runner import serve
 
     report_ignored_flags(engine_config)
     try:

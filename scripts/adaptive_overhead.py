@@ -15,8 +15,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from eaglesrv.configs import (CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig,
-                              SpeculativeConfig)
+from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig, SpeculativeConfig
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.eval_acceptance import heldout_prompts
 from eaglesrv.sampling_params import SamplingParams

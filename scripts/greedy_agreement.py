@@ -42,7 +42,8 @@ def main() -> None:
     reference = run(args.batch_size, SpeculativeConfig())
     candidates = {"plain, batch 1": run(1, SpeculativeConfig())}
     for steps, topk, tokens in TREES:
-        spec = SpeculativeConfig(algorithm="EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens)
+        spec = SpeculativeConfig(algorithm="EAGLE3", num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens,
+                                 adaptive=False)
         candidates[f"EAGLE-3 ({steps},{topk},{tokens}), batch {args.batch_size}"] = run(args.batch_size, spec)
     for name, produced in candidates.items():
         same = sum(a == b for a, b in zip(produced, reference, strict=True))

@@ -27,13 +27,20 @@ CASES = {  # name: (requests, temperature, EAGLE-3 tree or None)
 
 
 def measure(requests: int, temperature: float, tree: list | None, steps: int, threads: int) -> dict:
-    from eaglesrv.configs import (CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig,
-                                  SpeculativeConfig)
+    from eaglesrv.configs import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        RuntimeConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
     from eaglesrv.engine.llm_engine import Engine
     from eaglesrv.eval_acceptance import heldout_prompts
     from eaglesrv.sampling_params import SamplingParams
 
-    spec = (SpeculativeConfig(algorithm="EAGLE3", num_steps=tree[0], eagle_topk=tree[1], num_draft_tokens=tree[2])
+    spec = (SpeculativeConfig(algorithm="EAGLE3", num_steps=tree[0], eagle_topk=tree[1], num_draft_tokens=tree[2],
+                              adaptive=False)
             if tree else SpeculativeConfig())
     engine = Engine(EngineConfig(model=ModelConfig(model_path=None, dtype="bfloat16"),
                                  cache=CacheConfig(max_total_tokens=160000), scheduler=SchedulerConfig(),
@@ -66,7 +73,7 @@ def main() -> None:
         print(json.dumps(measure(requests, temperature, tree, args.steps, args.num_threads)))
         return
 
-    print(f"| case | setting | median step ms | page faults / step |\n|---|---|---:|---:|")
+    print("| case | setting | median step ms | page faults / step |\n|---|---|---:|---:|")
     for name in CASES:
         results: dict[str, list[dict]] = {"on": [], "off": []}
         for round_ in range(args.rounds):

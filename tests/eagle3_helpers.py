@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
 from conftest import engine_config
+
 from eaglesrv.configs import EngineConfig, SpeculativeConfig
 from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, save_head
 from eaglesrv.engine.llm_engine import Engine
@@ -33,10 +33,13 @@ def save_random_head(target_dir: str, head_dir, seed: int = 0, draft_vocab_size:
     return str(head_dir)
 
 
-def spec_config(model_dir: str, head_dir: str | None, steps: int, topk: int, draft_tokens: int, **kwargs) -> EngineConfig:
+def spec_config(model_dir: str, head_dir: str | None, steps: int, topk: int, draft_tokens: int,
+                adaptive: bool = False, **kwargs) -> EngineConfig:
+    """EAGLE-3 with this tree at every step (static), or as the largest an adaptive step may use."""
     config = engine_config(model_dir, **kwargs)
     spec = SpeculativeConfig(
-        algorithm="EAGLE3", draft_model_path=head_dir, num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens
+        algorithm="EAGLE3", draft_model_path=head_dir, num_steps=steps, eagle_topk=topk, num_draft_tokens=draft_tokens,
+        adaptive=adaptive,
     )
     return dataclasses.replace(config, speculative=spec)
 

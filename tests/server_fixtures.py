@@ -47,8 +47,10 @@ class LiveServer:
         # One torch thread: the test process computes references at the same time, and two
         # processes each splitting every op over both cores stall on each other.
         threads = () if "--num-threads" in args else ("--num-threads", "1")
+        # float32, the oracle the tests compare with: --dtype auto picks bfloat16 on CPUs with bf16 units.
+        dtype = () if "--dtype" in args else ("--dtype", "float32")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "eaglesrv.launch", "--port", str(self.port), *threads, *args],
+            [sys.executable, "-m", "eaglesrv.launch", "--port", str(self.port), *threads, *dtype, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 

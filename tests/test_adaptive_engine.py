@@ -9,13 +9,13 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import engine_config
 from eagle3_helpers import save_random_head, spec_config
 from engine_helpers import random_prompts, run_staggered
+
 from eaglesrv.engine.adaptive.policy import Decision
-from eaglesrv.engine.eagle3.shape import TreeShape
 from eaglesrv.engine.llm_engine import Engine
+from eaglesrv.engine.tree_shape import TreeShape
 from eaglesrv.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -69,9 +69,9 @@ def test_greedy_equals_plain_while_the_mode_switches_every_step(tiny_llama_dir, 
     stats = engine.spec_stats
     assert stats["spec_verifications"] > 0 and stats["spec_steps_plain"] > 0 and stats["spec_steps_speculative"] > 0
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
-    assert len(engine.runner.adaptive.backlog) == 0 and not engine.runner.roots  # all forgotten on finish
-    pool = engine.runner.adaptive.backlog.pool  # a row per KV slot, of the draft's input width
-    assert pool.shape == (engine.runner.target_kv.k.shape[1], engine.runner.draft.fc.in_features)
+    assert not engine.runner.requests  # every request's record released on finish
+    pool = engine.runner.adaptive.features.pool  # a row per KV slot, of the draft's input width
+    assert pool.shape == (engine.runner.kv.k.shape[1], engine.runner.draft.fc.in_features)
 
 
 def test_greedy_equals_plain_with_the_measured_policy(tiny_llama_dir, head_dir):
@@ -93,7 +93,7 @@ def test_draft_kv_after_a_plain_spell_equals_always_drafting(tiny_llama_dir, hea
     prefilled the same tokens with the draft running."""
     prompt = random_prompts([20], 256, seed=7)[0]
     engine = adaptive_engine(tiny_llama_dir, head_dir, (3, 2, 6))
-    engine.runner.adaptive.backlog.limit = limit
+    engine.runner.adaptive.features.limit = limit
     use_script(engine, [(None, 1)] * 13 + [(TreeShape.of(3, 2, 6), 1)])
     request_id = engine.add_request(prompt, GREEDY.replace(max_tokens=40))
     outputs = []

@@ -11,7 +11,7 @@ import pytest
 from eaglesrv.engine.adaptive.acceptance import AcceptanceTable, chain_accept_length, expected_accept_length
 from eaglesrv.engine.adaptive.cost_model import CostCurve, CostModel, StepCorrection
 from eaglesrv.engine.adaptive.policy import SpeculationPolicy, StepLoad
-from eaglesrv.engine.eagle3.shape import TreeShape, candidate_shapes
+from eaglesrv.engine.tree_shape import TreeShape, candidate_shapes
 
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -144,20 +144,23 @@ def test_expected_accept_length_closed_forms():
 
 
 def test_acceptance_table_learns_rates_and_request_multipliers():
+    from eaglesrv.engine.adaptive.acceptance import RequestAcceptance
+
     table = AcceptanceTable(3, 2)
+    good, poor = RequestAcceptance(), RequestAcceptance()
     shape = TreeShape.of(3, 2, 6)
     rng = np.random.default_rng(0)
     for _ in range(3000):  # depth-1 first choice right 90% of the time, second 5%
         r = rng.uniform()
-        table.record("good", shape, [(1, 0, r < 0.9), (1, 1, 0.9 <= r < 0.95)])
-        table.record("poor", shape, [(1, 0, False), (1, 1, False)])
+        table.record(shape, [(1, 0, r < 0.9), (1, 1, 0.9 <= r < 0.95)], good)
+        table.record(shape, [(1, 0, False), (1, 1, False)], poor)
     q = table.rates()
     assert q[0, 0] == pytest.approx(0.45, abs=0.05)  # both requests count: (0.9 + 0) / 2
-    assert table.multiplier("good") > 0.9 > 0.25 > table.multiplier("poor")
-    table.relax(["poor"] * 200)
-    assert table.multiplier("poor") > 0.9  # sitting out long enough earns a retry
-    table.forget("good")
-    assert table.multiplier("good") == 1.0
+    assert good.multiplier > 0.9 > 0.25 > poor.multiplier
+    for _ in range(200):
+        poor.relax()
+    assert poor.multiplier > 0.9  # sitting out long enough earns a retry
+    assert RequestAcceptance().multiplier == 1.0
 
 
 def test_cost_model_interpolates_and_extrapolates():
@@ -246,14 +249,14 @@ def test_candidate_shapes_stay_inside_the_configured_tree():
                                                        TreeShape.of(3, 1, 4)]
 
 
-def _backlog(num_pages=64, page_size=4, width=6, limit=2048):
+def _pool(num_pages=64, page_size=4, width=6, limit=2048):
     import torch
 
-    from eaglesrv.engine.adaptive.backlog import FeatureBacklog
+    from eaglesrv.engine.adaptive.backlog import FeaturePool
 
-    backlog = FeatureBacklog.allocate(num_pages, page_size, width, torch.float32, torch.device("cpu"))
-    backlog.limit = limit
-    return backlog
+    pool = FeaturePool.allocate(num_pages, page_size, width, torch.float32, torch.device("cpu"))
+    pool.limit = limit
+    return pool
 
 
 def test_backlog_holds_every_piece_in_order_at_its_requests_slots():
@@ -261,21 +264,27 @@ def test_backlog_holds_every_piece_in_order_at_its_requests_slots():
     position order, held a prompt at a time and then a token a step."""
     import torch
 
-    from eaglesrv.engine.adaptive.backlog import HeldStep
+    from eaglesrv.engine.adaptive.backlog import Backlog, HeldStep
 
-    backlog = _backlog()
+    pool = _pool()
     pages = {"a": [9, 2, 30, 4, 17, 11, 0, 5], "b": [1, 8, 3, 29, 6, 12, 7, 10]}  # 32 positions each
     features = {rid: torch.randn(30, 6) for rid in pages}
-    assert backlog.hold([HeldStep(rid, pages[rid], 1, list(range(10))) for rid in pages],
-                        torch.cat([features[rid][:10] for rid in pages])) == []
+    held: dict[str, Backlog | None] = {rid: None for rid in pages}
+
+    def hold(steps: dict[str, HeldStep], rows: torch.Tensor) -> None:
+        pool.write(list(steps.values()), rows)
+        for rid, step in steps.items():
+            held[rid] = Backlog.grow(held[rid], step)
+
+    hold({rid: HeldStep(pages[rid], 1, list(range(10))) for rid in pages},
+         torch.cat([features[rid][:10] for rid in pages]))
     for i in range(10, 30):
-        backlog.hold([HeldStep(rid, pages[rid], 1 + i, [i]) for rid in pages],
-                     torch.cat([features[rid][i : i + 1] for rid in pages]))
-    assert backlog.length("a") == 30 and backlog.end("a") == 31 and len(backlog) == 2
+        hold({rid: HeldStep(pages[rid], 1 + i, [i]) for rid in pages},
+             torch.cat([features[rid][i : i + 1] for rid in pages]))
+    assert len(held["a"].tokens) == 30 and held["a"].end == 31
     for rid in pages:
-        start, tokens, held = backlog.take(rid, pages[rid])
-        assert start == 1 and tokens == list(range(30)) and torch.equal(held, features[rid])
-    assert backlog.take("a", pages["a"]) is None and len(backlog) == 0
+        assert held[rid].start == 1 and held[rid].tokens == list(range(30))
+        assert torch.equal(pool.read(held[rid], pages[rid]), features[rid])
 
 
 def test_backlog_restarts_where_a_recomputed_request_resumes():
@@ -283,37 +292,38 @@ def test_backlog_restarts_where_a_recomputed_request_resumes():
     would desynchronize the draft, so the backlog starts over there."""
     import torch
 
-    from eaglesrv.engine.adaptive.backlog import HeldStep
+    from eaglesrv.engine.adaptive.backlog import Backlog, HeldStep
 
-    backlog = _backlog()
+    pool = _pool()
     pages = list(range(10, 20))
     features = torch.randn(50, 6)
-    backlog.hold([HeldStep("a", pages, 0, list(range(40)))], features[:40])
-    backlog.hold([HeldStep("a", pages, 20, list(range(10)))], features[40:])
-    start, tokens, held = backlog.take("a", pages)
-    assert start == 20 and tokens == list(range(10)) and torch.equal(held, features[40:])
+    first, again = HeldStep(pages, 0, list(range(40))), HeldStep(pages, 20, list(range(10)))
+    pool.write([first], features[:40])
+    held = Backlog.grow(None, first)
+    pool.write([again], features[40:])
+    held = Backlog.grow(held, again)
+    assert held.start == 20 and held.tokens == list(range(10)) and torch.equal(pool.read(held, pages), features[40:])
 
 
-def test_backlog_reports_requests_past_its_limit():
-    import torch
+def test_backlog_over_the_pools_limit():
+    from eaglesrv.engine.adaptive.backlog import Backlog, HeldStep
 
-    from eaglesrv.engine.adaptive.backlog import HeldStep
-
-    backlog = _backlog(limit=8)
-    pages = list(range(8))
-    assert backlog.hold([HeldStep("a", pages, 0, list(range(8))), HeldStep("b", list(range(8, 16)), 0, [5])],
-                        torch.randn(9, 6)) == []
-    assert backlog.hold([HeldStep("a", pages, 8, [8]), HeldStep("b", list(range(8, 16)), 1, [6])], torch.randn(2, 6)) == ["a"]
+    pool = _pool(limit=8)
+    held = Backlog.grow(None, HeldStep(list(range(8)), 0, list(range(8))))
+    assert not pool.over_limit(held)
+    assert pool.over_limit(Backlog.grow(held, HeldStep(list(range(8)), 8, [8])))
 
 
 def test_a_plain_spell_repeats_its_decision_only_while_the_load_stands():
     from eaglesrv.engine.adaptive.controller import PLAIN_RECHECK_STEPS, AdaptiveSpeculation
 
-    adaptive = AdaptiveSpeculation(TreeShape.of(5, 8, 32), knee_costs(16, 0.002), _backlog())
+    adaptive = AdaptiveSpeculation(TreeShape.of(5, 8, 32), knee_costs(16, 0.002), _pool())
     searches = []
     search = adaptive.policy.decide
     adaptive.policy.decide = lambda load: searches.append(load.decoding) or search(load)
-    ids = [f"r{i}" for i in range(64)]
+    from eaglesrv.engine.adaptive.acceptance import RequestAcceptance
+
+    ids = [RequestAcceptance() for _ in range(64)]
     assert adaptive.decide(StepLoad(64, [1.0] * 64), ids).shape is None  # 64 trees would cost far more
     repeats = [adaptive.repeat_plain(64, 0, ids) for _ in range(PLAIN_RECHECK_STEPS + 1)]
     assert all(r is adaptive.last for r in repeats[:-1]) and repeats[-1] is None  # then searched again
@@ -325,3 +335,28 @@ def test_a_plain_spell_repeats_its_decision_only_while_the_load_stands():
     assert alone.shape is not None and adaptive.repeat_plain(1, 0, ids[:1]) is None  # only plain repeats
     adaptive.decide(StepLoad(64, [1.0] * 64, other_rows=100), ids)
     assert adaptive.repeat_plain(64, 0, ids) is None  # a step beside a prefill chunk is not repeated
+
+
+def test_deep_contexts_price_trees_by_their_rows_times_depth():
+    """Attention per row per context token: a tree pays it on each of its rows, so deep
+    requests get smaller trees (or none) where shallow ones speculate in full."""
+    costs = knee_costs(64, 0.002)
+    costs.context_tokens, costs.attention_s, costs.draft_attention_s = 128, 2e-6, 1e-7
+    shape = TreeShape.of(3, 2, 6)
+    # Two requests, one 1,128 tokens deep speculating, one 128 deep decoding plainly beside it.
+    passes = costs.speculative_passes(shape.nodes, shape.topk, shape.steps, 1, 1, 2.0,
+                                      spec_excess=1000.0, plain_excess=0.0)
+    flat = costs.speculative_passes(shape.nodes, shape.topk, shape.steps, 1, 1, 2.0)
+    assert float(passes - flat) == pytest.approx(2e-6 * 6 * 1000 + 1e-7 * ((3 - 1) * 2 + 2.0) * 1000)
+    assert float(costs.plain_passes(2, excess=1000.0) - costs.plain_passes(2)) == pytest.approx(2e-6 * 1000)
+
+    table = fixed_table(np.full((5, 8), 0.5))
+    shallow = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.0).decide(
+        StepLoad(4, [1.0] * 4, contexts=[128] * 4))
+    deep = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.0).decide(
+        StepLoad(4, [1.0] * 4, contexts=[8192] * 4))
+    assert shallow.shape is not None and len(shallow.speculating) == 4 and deep.shape is None
+    # Among equally good requests, the shallower ones speculate, the deep ones decode plainly.
+    mixed = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.0).decide(
+        StepLoad(4, [1.0] * 4, contexts=[8192, 128, 8192, 128]))
+    assert mixed.shape is not None and sorted(mixed.speculating) == [1, 3]

@@ -33,7 +33,7 @@ def test_the_issues_command_line_means_plain_and_two_eagle3_servers() -> None:
     assert configs[0].server_args == ()
     assert " ".join(configs[2].server_args) == (
         "--speculative-algorithm EAGLE3 --speculative-draft-model-path HEAD --speculative-num-steps 3 "
-        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --disable-speculative-adaptive")
     assert args.server_args == "--num-threads 2 --max-total-tokens 65536" and args.sharegpt_split == "heldout"
 
 
@@ -51,7 +51,7 @@ def test_configuration_flags() -> None:
     adaptive = parse_args(["--speculative-draft-model-path", "H", "--adaptive-configs", "5,8,32"])
     configs = build_configs(adaptive.speculative_draft_model_path, adaptive.eagle_configs, [], adaptive.adaptive_configs)
     assert [c.name for c in configs] == ["plain", "eagle3 (5,8,32)", "adaptive (<=5,8,32)"]
-    assert configs[2].server_args == configs[1].server_args + ("--speculative-adaptive",)
+    assert configs[1].server_args == configs[2].server_args + ("--disable-speculative-adaptive",)
     with pytest.raises(ValueError, match="must differ"):
         build_configs(None, [], ["plain=--num-threads 1"])
     with pytest.raises(ValueError, match="STEPS,TOPK"):

@@ -15,17 +15,21 @@ import time
 
 import httpx
 import pytest
+from server_fixtures import API_KEY, live_server  # noqa: F401 (fixture)
 
 from eaglesrv.bench.serving.client import RequestInput, native_generate, openai_chat, openai_completions
 from eaglesrv.bench.serving.dataset import DatasetRow, sample_random_requests, sample_sharegpt_requests
 from eaglesrv.bench.serving.metrics import (
-    OPTIONAL_LABELS, REPORT_LABELS, compute_metrics, missing_report_lines, parse_report,
+    OPTIONAL_LABELS,
+    REPORT_LABELS,
+    compute_metrics,
+    missing_report_lines,
+    parse_report,
 )
 from eaglesrv.bench.serving.run import BenchSettings, accept_length_between, benchmark
 from eaglesrv.bench.serving.tokenizer import pick_tokenizer_spec
 from eaglesrv.bench_serving import parse_args
 from eaglesrv.data import TRAINING_CONVERSATIONS
-from server_fixtures import API_KEY, live_server  # noqa: F401 (fixture)
 
 
 class WordTokenizer:

@@ -71,3 +71,22 @@ def test_arch_reads_both_rope_spellings_and_refuses_unknown_models():
         ModelArch.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(UnsupportedModel, match="yarn"):
         ModelArch.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_adaptive_speculation_is_the_default_and_a_flag_pins_the_static_tree():
+    assert parse_engine_config(["--speculative-algorithm", "EAGLE3"]).speculative.adaptive is True
+    assert parse_engine_config(["--speculative-adaptive"]).speculative.adaptive is True  # accepted, as before
+    assert parse_engine_config(["--disable-speculative-adaptive"]).speculative.adaptive is False
+
+
+def test_dtype_auto_on_the_cpu_follows_its_bf16_units(monkeypatch):
+    import torch
+
+    from eaglesrv.engine import placement
+
+    auto, cpu = ModelConfig(dtype="auto"), torch.device("cpu")
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda: True)
+    assert placement.resolve_dtype(auto, {}, cpu) == torch.bfloat16
+    monkeypatch.setattr(placement, "cpu_has_native_bf16", lambda: False)
+    assert placement.resolve_dtype(auto, {}, cpu) == torch.float32
+    assert placement.resolve_dtype(ModelConfig(dtype="bfloat16"), {}, cpu) == torch.bfloat16  # given: kept

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import engine_config
 from eagle3_helpers import save_random_head, spec_config, use_oracle
 from engine_helpers import random_prompts, run_staggered
+
 from eaglesrv.engine.eagle3.draft_model import DraftHeadError
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
@@ -103,7 +103,7 @@ def test_pages_all_free_after_aborts_and_forced_preemption(tiny_llama_dir, head_
     kept = [i for n, i in enumerate(ids) if n not in (0, 5)]
     assert [outputs[i] for i in kept] == [plain_outputs[n] for n in range(len(ids)) if n not in (0, 5)]
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
-    assert not engine.runner.roots, "draft root states must be dropped with their requests"
+    assert not engine.runner.requests, "the runner's request records must be dropped with their requests"
 
 
 def test_malformed_heads_are_refused_with_the_reason(tiny_llama_dir, tmp_path):
@@ -122,11 +122,11 @@ def test_malformed_heads_are_refused_with_the_reason(tiny_llama_dir, tmp_path):
 
 
 def test_a_missing_head_is_refused_before_loading(tiny_llama_dir, monkeypatch):
-    import eaglesrv.engine.llm_engine as llm_engine
-    from eaglesrv.engine.setup import EngineSetupError
+    import eaglesrv.engine.builder as builder
+    from eaglesrv.engine.placement import EngineSetupError
 
     with pytest.raises(EngineSetupError, match="needs --speculative-draft-model-path"):
         Engine(spec_config(tiny_llama_dir, None, 3, 1, 4))
-    monkeypatch.setattr(llm_engine, "default_model_head", lambda: None)  # an install without the shipped head
+    monkeypatch.setattr(builder, "default_model_head", lambda: None)  # an install without the shipped head
     with pytest.raises(EngineSetupError, match="head is missing from this install"):
         Engine(spec_config(None, None, 3, 1, 4))

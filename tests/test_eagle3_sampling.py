@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import save_tiny_llama
 from eagle3_helpers import save_random_head, spec_config
+from transformers import AutoModelForCausalLM
+
 from eaglesrv.engine.eagle3 import verify
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
@@ -101,6 +101,6 @@ def test_a_broken_acceptance_rule_fails_the_same_bound(small_vocab_model, exact_
             path.append(accepted)
             node = accepted
 
-    monkeypatch.setattr("eaglesrv.engine.eagle3.runner.accept_sampling", without_residual)
+    monkeypatch.setattr("eaglesrv.engine.eagle3.eagle3_runner.accept_sampling", without_residual)
     observed = sampled_marginals(*small_vocab_model)
     assert max(total_variation(observed[i], exact_marginals[i]) for i in range(2)) > BOUND

@@ -7,7 +7,8 @@ import hashlib
 import pytest
 import torch
 
-from eaglesrv.engine.eagle3.tree import TreeBuilder, tree_size
+from eaglesrv.engine.eagle3.tree import TreeBuilder
+from eaglesrv.engine.tree_shape import tree_size
 
 VOCAB = 12
 

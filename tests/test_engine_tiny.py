@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from conftest import engine_config, save_tiny_llama
 from engine_helpers import hf_greedy, random_prompts, run_staggered
+from transformers import AutoModelForCausalLM
+
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
 
@@ -166,3 +166,29 @@ def test_min_tokens_holds_back_eos_and_stop_ids(tiny_llama_dir):
     assert stopped.output_token_ids == free_run[:3] and stopped.finish_reason == "stop"
     held = engine.generate([prompt], GREEDY.replace(stop_token_ids=(stop,), min_tokens=6))[0].output_token_ids
     assert stop not in held[:6] and len(held) >= 6
+
+
+def test_duplicate_request_ids_are_refused_until_the_first_finishes(tiny_llama_dir):
+    from eaglesrv.scheduler import RequestRejected
+
+    engine = Engine(engine_config(tiny_llama_dir))
+    engine.add_request([5, 6, 7], GREEDY.replace(max_tokens=2), request_id="same")
+    with pytest.raises(RequestRejected, match="'same' is already in use"):
+        engine.add_request([8, 9], GREEDY, request_id="same")
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request([8, 9], GREEDY.replace(max_tokens=1), request_id="same")  # free again
+
+
+def test_forward_sequences_scores_on_borrowed_pages_and_only_when_idle(tiny_llama_dir, hf_model):
+    engine = Engine(engine_config(tiny_llama_dir))
+    prompts = random_prompts((9, 4), 256, seed=2)
+    hidden, _ = engine.forward_sequences(prompts)
+    logits = engine.model.compute_logits(hidden)
+    with torch.no_grad():
+        expected = torch.cat([hf_model(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    engine.add_request(prompts[0], GREEDY)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.forward_sequences(prompts)

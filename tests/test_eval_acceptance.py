@@ -6,13 +6,18 @@ import json
 
 import pytest
 import torch
+from eagle3_helpers import save_random_head
+from train_eagle3_helpers import save_tiny_chat_model, write_tiny_sharegpt
 
 import eaglesrv.data.sharegpt as sharegpt_module
-from eagle3_helpers import save_random_head
 from eaglesrv.eval_acceptance import (
-    _kept_counts, draft_vocab_coverage, evaluation_prompts, heldout_prompts, main, parse_args,
+    _kept_counts,
+    draft_vocab_coverage,
+    evaluation_prompts,
+    heldout_prompts,
+    main,
+    parse_args,
 )
-from train_eagle3_helpers import save_tiny_chat_model, write_tiny_sharegpt
 
 
 @pytest.fixture()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from eagle3_helpers import save_random_head
 from safetensors.torch import load_file, save_file
 
-from eagle3_helpers import save_random_head
 from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch

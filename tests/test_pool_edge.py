@@ -9,10 +9,10 @@ import dataclasses
 import random
 
 import pytest
-
 from conftest import engine_config
 from eagle3_helpers import save_random_head, spec_config
 from engine_helpers import random_prompts
+
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import engine_config, save_tiny_llama
 from eagle3_helpers import save_random_head, spec_config
 from engine_helpers import random_prompts
 from published_heads import LAYOUTS, write_layout
+
 from eaglesrv.engine.eagle3.draft_model import DraftHeadError, Eagle3Config, Eagle3DraftModel
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.engine.model.rope import RotaryEmbedding
@@ -68,7 +68,7 @@ def test_each_layout_speculates_exactly_past_its_declared_positions(target_dir, 
         engine = Engine(spec_config(target_dir, head, 3, 2, 6))
     assert f"declares max_position_embeddings {DECLARED}; using the target's 512" in caplog.text
     assert engine.runner.capture_layers == tuple(i + 1 for i in IDS)
-    assert engine.max_context_len == 512 and engine.draft.rotary_emb.cos.shape[0] == 512
+    assert engine.max_context_len == 512 and engine.runner.draft.rotary_emb.cos.shape[0] == 512
     assert [r.output_token_ids for r in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert engine.spec_stats["spec_verifications"] > 0
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages

@@ -5,15 +5,15 @@ through the server, that prompt leaves the server healthy and answering."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import engine_config
 from eagle3_helpers import spec_config
 from published_heads import LAYOUTS, write_layout
+from server_fixtures import LiveServer
+
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.engine.loader import resolve_model
 from eaglesrv.heads import DEFAULT_MODEL_HEAD
 from eaglesrv.sampling_params import SamplingParams
-from server_fixtures import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_a_long_prompt_leaves_the_server_healthy(layouts, prompts, expected):
     server = LiveServer(
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", layouts["eagle_bin_fp16"],
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-        "--max-total-tokens", "8192",
+        "--max-total-tokens", "8192", "--disable-speculative-adaptive",
     )
     try:
         with server.wait_healthy().client() as http:

@@ -6,7 +6,7 @@ import pytest
 
 from eaglesrv.configs import SchedulerConfig
 from eaglesrv.sampling_params import SamplingParams
-from eaglesrv.scheduler import OutOfPages, PageAllocator, Request, Scheduler
+from eaglesrv.scheduler import FixedDemand, OutOfPages, PageAllocator, Request, Scheduler
 from eaglesrv.scheduler.batch import ForwardMode, SequenceResult
 from eaglesrv.scheduler.scheduler import RequestRejected
 
@@ -165,9 +165,6 @@ def test_rejects_prompts_that_can_never_fit():
         scheduler.add(make_request("big", 16))
     with pytest.raises(RequestRejected, match="empty"):
         scheduler.add(make_request("empty", 0))
-    scheduler.add(make_request("ok", 3))
-    with pytest.raises(RequestRejected, match="already in use"):
-        scheduler.add(make_request("ok", 3))
 
 
 def test_a_lone_request_stops_when_the_pool_is_full():
@@ -186,7 +183,8 @@ def decode_once(scheduler: Scheduler) -> list[int]:
 
 
 def test_lookahead_comes_from_free_pages_and_preempts_nobody():
-    scheduler = Scheduler(SchedulerConfig(admission_watermark=0.0), num_pages=8, page_size=4, decode_lookahead=5)
+    scheduler = Scheduler(SchedulerConfig(admission_watermark=0.0), num_pages=8, page_size=4,
+                          demand=FixedDemand(decode_lookahead=5))
     scheduler.add(make_request("a", 10, max_tokens=20))
     scheduler.add(make_request("b", 11, max_tokens=20))
     decode_once(scheduler)  # both prefill: a holds 3 pages, b 3, 2 free
@@ -200,8 +198,8 @@ def test_lookahead_comes_from_free_pages_and_preempts_nobody():
 
 
 def test_no_lookahead_past_the_context_or_without_a_budget_for_the_tree():
-    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=4), num_pages=64, page_size=4, decode_lookahead=5,
-                          decode_cost=6)
+    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=4), num_pages=64, page_size=4,
+                          demand=FixedDemand(decode_lookahead=5, decode_cost=6))
     request = make_request("a", 3, max_tokens=None)
     request.max_context_len = 12
     scheduler.add(request)
@@ -230,3 +228,15 @@ def test_a_step_that_leaves_the_oldest_request_out_raises():
     scheduler.pages.allocate(scheduler.pages.num_free)  # pages leaked elsewhere: "a" cannot grow
     with pytest.raises(NoProgress, match="'a'.*got nothing this step"):
         scheduler.schedule()
+
+
+def test_borrowed_pages_come_back_even_when_the_pass_fails():
+    pages = PageAllocator(8)
+    with pages.borrowed([2, 3]) as tables:
+        assert [len(t) for t in tables] == [2, 3] and pages.num_free == 3
+    assert pages.num_free == 8
+    with pytest.raises(RuntimeError, match="boom"), pages.borrowed([4]):
+        raise RuntimeError("boom")
+    with pytest.raises(OutOfPages), pages.borrowed([5, 5]):
+        pass
+    assert pages.num_free == 8

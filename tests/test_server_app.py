@@ -9,13 +9,13 @@ import asyncio
 
 import httpx
 import pytest
+from server_fixtures import byte_level_tokenizer
 
 from eaglesrv.configs import EngineConfig, ServerConfig
+from eaglesrv.engine.client import EngineDeadError
+from eaglesrv.engine.protocol import EngineInfo, EngineOutput, EngineStats
 from eaglesrv.server.app import build_app
-from eaglesrv.server.engine_client import EngineDeadError
-from eaglesrv.server.engine_protocol import EngineInfo, EngineOutput, EngineStats
 from eaglesrv.server.state import ServerState
-from server_fixtures import byte_level_tokenizer
 
 INFO = EngineInfo(model_name="fake", model_path=None, tokenizer_path=None, max_context_len=64, vocab_size=300,
                   eos_token_ids=(0,), page_size=16, num_pages=8, max_running_requests=1, dtype="float32", device="cpu")
@@ -36,9 +36,10 @@ class FakeEngineClient:
     def is_alive(self) -> bool:
         return self.dead_reason is None
 
-    async def stream(self, prompt_ids, params, request_id):
+    async def stream(self, prompt_ids, params):
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason)
+        request_id = f"r{len(self.added)}"
         self.added.append(request_id)
         finished = False
         try:
@@ -146,8 +147,8 @@ def test_dead_engine_mid_stream_ends_the_stream_with_an_error_event():
     async def main():
         app, state, client, _ = make_app([5, 6, 7])
 
-        async def dying_stream(prompt_ids, params, request_id):
-            yield EngineOutput(request_id, [5], len(prompt_ids), 1, None)
+        async def dying_stream(prompt_ids, params):
+            yield EngineOutput("r0", [5], len(prompt_ids), 1, None)
             raise EngineDeadError("the engine has stopped: boom")
 
         client.stream = dying_stream

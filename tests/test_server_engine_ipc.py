@@ -9,18 +9,19 @@ import signal
 from contextlib import aclosing
 
 import pytest
-
 from conftest import engine_config
 from engine_helpers import random_prompts
+
+from eaglesrv.engine.client import EngineClient, EngineDeadError, EngineStartupError
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
-from eaglesrv.server.engine_client import EngineClient, EngineDeadError, EngineStartupError, RequestRejectedError
+from eaglesrv.scheduler import RequestRejected
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
-async def _collect(client: EngineClient, prompt, params, request_id) -> list:
-    async with aclosing(client.stream(prompt, params, request_id)) as outputs:
+async def _collect(client: EngineClient, prompt, params) -> list:
+    async with aclosing(client.stream(prompt, params)) as outputs:
         return [out async for out in outputs]
 
 
@@ -33,10 +34,10 @@ def test_streams_match_the_in_process_engine_and_abort_frees_pages(tiny_llama_di
         try:
             info, tokenizer = await client.wait_ready()
             assert tokenizer is None and info.vocab_size == 256 and info.max_context_len == 512
-            runs = await asyncio.gather(*(_collect(client, p, GREEDY, f"r{i}") for i, p in enumerate(prompts)))
+            runs = await asyncio.gather(*(_collect(client, p, GREEDY) for p in prompts))
             before = await client.stats()
             long_params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-            async with aclosing(client.stream(prompts[0], long_params, "long")) as outputs:
+            async with aclosing(client.stream(prompts[0], long_params)) as outputs:
                 async for out in outputs:
                     if out.num_output_tokens >= 3:
                         break  # leaving aborts the request
@@ -46,8 +47,8 @@ def test_streams_match_the_in_process_engine_and_abort_frees_pages(tiny_llama_di
                 if after.num_running == 0 and after.kv_pages_free == before.kv_pages_free:
                     break
                 await asyncio.sleep(0.05)
-            with pytest.raises(RequestRejectedError, match="limit is"):
-                await _collect(client, [5] * 600, GREEDY, "too-long")
+            with pytest.raises(RequestRejected, match="limit is"):
+                await _collect(client, [5] * 600, GREEDY)
             return runs, before, after
         finally:
             assert client.shutdown() == 0
@@ -83,7 +84,7 @@ def test_engine_death_fails_open_streams_and_calls_on_death(tiny_llama_dir):
             await client.wait_ready()
             params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             with pytest.raises(EngineDeadError):
-                async with aclosing(client.stream([1, 2, 3], params, "doomed")) as outputs:
+                async with aclosing(client.stream([1, 2, 3], params)) as outputs:
                     async for _ in outputs:
                         os.kill(client._process.pid, signal.SIGKILL)  # the test's own child
             for _ in range(100):

@@ -7,7 +7,6 @@ import json
 
 import httpx
 import pytest
-
 from server_fixtures import CONTEXT_LENGTH, LiveServer, http, live_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow

@@ -12,14 +12,13 @@ import time
 
 import httpx
 import pytest
-
 from conftest import save_tiny_llama
+from server_fixtures import LiveServer, free_port
 
 from eaglesrv.configs.cli import engine_config_from_args
 from eaglesrv.configs.server import server_config_from_args
 from eaglesrv.launch import build_parser
 from eaglesrv.server.not_landed import report_ignored_flags
-from server_fixtures import LiveServer, free_port
 
 SEED_COMMAND = (
     "--model meta-llama/Llama-3.1-8B-Instruct --speculative-algorithm EAGLE3 "

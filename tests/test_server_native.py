@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from server_fixtures import LiveServer, http, live_server  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from server_fixtures import API_KEY, CONTEXT_LENGTH, LiveServer, live_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import engine_config
 from eagle3_helpers import save_random_head
 from engine_helpers import random_prompts
+from server_fixtures import LiveServer
+
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
-from server_fixtures import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,7 @@ def spec_server(tiny_llama_dir, tmp_path_factory):
         "--model-path", tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--max-total-tokens", "4096",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", "--enable-metrics",
+        "--disable-speculative-adaptive",
     )
     try:
         yield server.wait_healthy()
@@ -56,6 +57,7 @@ def test_greedy_over_http_with_eagle3_equals_the_plain_engine(spec_server, tiny_
 
         info = http.get("/get_server_info").json()["internal_states"][0]
         assert info["avg_spec_accept_length"] >= 1.0 and info["spec_verifications"] > 0
+        assert info["spec_adaptive"] is False  # --disable-speculative-adaptive: the mode is reported
         assert spec_server.wait_idle(info["kv_pages_total"]) == (info["kv_pages_total"], 0, 0)
         metrics = http.get("/metrics").text
     for name in ("eaglesrv:spec_accept_length", "eaglesrv:spec_verifications_total", "eaglesrv:spec_acceptance_rate"):
@@ -68,7 +70,7 @@ def test_adaptive_server_reports_its_mode(tiny_llama_dir, tmp_path_factory):
     server = LiveServer(
         "--model-path", tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--max-total-tokens", "4096",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-num-steps", "3",
-        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6", "--speculative-adaptive",
+        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
         "--enable-metrics", env={"EAGLESRV_CACHE": str(cache)},
     )
     prompts = random_prompts((7, 23), 256, seed=5)
@@ -97,7 +99,7 @@ def test_advertised_context_is_what_speculation_serves(tiny_llama_dir, tmp_path_
     server = LiveServer(
         "--model-path", tiny_llama_dir, "--dtype", "float32", "--device", "cpu", "--max-total-tokens", "256",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head, "--speculative-num-steps", "5",
-        "--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "32",
+        "--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "32", "--disable-speculative-adaptive",
     )
     prompts = [random_prompts((250,), 256, seed=9)[0], random_prompts((256,), 256, seed=9)[0]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from server_fixtures import byte_level_tokenizer
 
 from eaglesrv.server.detokenizer import IncrementalDetokenizer
 from eaglesrv.server.stop_strings import StopStringFilter
-from server_fixtures import byte_level_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import engine_config
 from eagle3_helpers import spec_config
 from engine_helpers import random_prompts
+from safetensors.torch import load_file
+from train_eagle3_helpers import save_tiny_chat_model, train_argv, write_tiny_sharegpt
+
 from eaglesrv.engine.eagle3.draft_model import Eagle3Config, Eagle3DraftModel
 from eaglesrv.engine.eagle3.head_io import head_config_for
 from eaglesrv.engine.forward_context import ForwardContext
@@ -29,7 +30,6 @@ from eaglesrv.train_eagle3.data import TrainingSequence, encode, training_conver
 from eaglesrv.train_eagle3.trainer import plan_epoch, target_logprobs
 from eaglesrv.train_eagle3.ttt import draft_logits, live_rows, unroll
 from eaglesrv.train_eagle3.vocab import build_draft_vocab, grown_vocab
-from train_eagle3_helpers import save_tiny_chat_model, train_argv, write_tiny_sharegpt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from test_train_eagle3 import _small_head, chat_model, sharegpt  # noqa: F401 (fixtures)
+from train_eagle3_helpers import train_argv
 
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.forward_context import ForwardContext
@@ -17,8 +19,6 @@ from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 from eaglesrv.train_eagle3.__main__ import main
 from eaglesrv.train_eagle3.distill import read_cache
 from eaglesrv.train_eagle3.validate import chain_acceptance, decoding_walk, summarize
-from test_train_eagle3 import _small_head, chat_model, sharegpt  # noqa: F401 (fixtures)
-from train_eagle3_helpers import train_argv
 
 STEPS = 3
 
@@ -166,13 +166,14 @@ def test_resume_keeps_the_validation_record(chat_model, sharegpt, tmp_path, monk
 def test_validation_walk_is_what_the_engine_serves(chat_model, sharegpt, tmp_path, monkeypatch):  # noqa: F811
     """Features of the engine's own greedy replies, walked as decoding would, accept at each
     verification what the engine's EAGLE-3 steps accepted (chain of STEPS, float32)."""
-    from eagle3_helpers import spec_config
     from conftest import engine_config
+    from eagle3_helpers import spec_config
+
     from eaglesrv.engine.eagle3.head_io import load_draft_head
     from eaglesrv.engine.llm_engine import Engine
     from eaglesrv.sampling_params import SamplingParams
-    from eaglesrv.train_eagle3.data import TrainingSequence, prompt_ids
     from eaglesrv.train_eagle3 import features as features_module
+    from eaglesrv.train_eagle3.data import TrainingSequence, prompt_ids
     from eaglesrv.train_eagle3.features import FeatureCache, extract_features
     from eaglesrv.train_eagle3.validate import decoding_walks
 

@@ -35,7 +35,8 @@ class Flag:
     help: str
     type: Any = None
     choices: tuple | None = None
-    store_true: bool = False
+    store_true: bool = False  # a switch that sets the field True
+    store_false: bool = False  # a switch that sets the field False
 
 
 def _optional_str(value: str) -> str | None:
@@ -72,7 +73,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Tree nodes verified per request, root included.", int),
     Flag(("--speculative-adaptive",), "speculative", "adaptive",
          "Choose per step between plain decoding, chains and trees up to the flags above, from measured costs "
-         "and live acceptance.", store_true=True),
+         "and live acceptance (the default).", store_true=True),
+    Flag(("--disable-speculative-adaptive",), "speculative", "adaptive",
+         "Verify the tree the flags above describe at every step, as SGLang does.", store_false=True),
     Flag(("--device",), "runtime", "device", "Where to run.", str, DEVICES),
     Flag(("--attention-backend",), "runtime", "attention_backend", "Attention kernels.", str, ATTENTION_BACKENDS),
     Flag(("--cuda-graph-max-bs",), "runtime", "cuda_graph_max_bs", "Largest batch captured in a CUDA graph.", int),
@@ -87,8 +90,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for flag in ENGINE_FLAGS:
         default = _field_default(flag)
         dest = f"{flag.group}__{flag.field}"
-        if flag.store_true:
-            groups[flag.group].add_argument(*flag.names, dest=dest, action="store_true", help=flag.help)
+        if flag.store_true or flag.store_false:  # two switches may share a field: both carry its default
+            action = "store_true" if flag.store_true else "store_false"
+            groups[flag.group].add_argument(*flag.names, dest=dest, action=action, default=default, help=flag.help)
             continue
         shown = f" (default: {default})" if default is not None else ""
         groups[flag.group].add_argument(

@@ -12,8 +12,9 @@ class SpeculativeConfig:
     """EAGLE-3 settings, with SGLang's meanings.
 
     num_steps: draft depth; eagle_topk: branching per step; num_draft_tokens: tree nodes
-    verified per request, root included. adaptive: those three are the largest tree a step
-    may use, and each step chooses how much to speculate (engine/adaptive/).
+    verified per request, root included. adaptive (the default): those three are the
+    largest tree a step may use, and each step chooses how much to speculate, plain
+    decoding included (engine/adaptive/); off, every step verifies that tree, as SGLang does.
     """
 
     algorithm: str | None = None
@@ -21,9 +22,9 @@ class SpeculativeConfig:
     num_steps: int = 5
     eagle_topk: int = 8
     num_draft_tokens: int = 32
-    # Off by default: with it, the tree flags are upper bounds and each step picks plain
-    # decoding, a chain or a smaller tree from measured costs (docs/adaptive_speculation.md).
-    adaptive: bool = False
+    # On by default, since it is what keeps speculation from ever being slower than plain
+    # decoding under load (docs/adaptive_speculation.md).
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         require(

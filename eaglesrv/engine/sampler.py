@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from eaglesrv.scheduler.batch import SequenceWork
 
 from eaglesrv.sampling_params import SamplingParams
 
@@ -46,6 +50,17 @@ class SamplingBatch:
     step_indices: list[int]  # index of the output token being sampled
     # per row, token ids that may not be sampled now (EOS and stop ids before min_tokens)
     suppressed_token_ids: list[tuple[int, ...]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, seqs: Sequence[SequenceWork]) -> "SamplingBatch":
+        """The sampler's view of sequences that sample this step, one row each."""
+        return cls(
+            params=[s.params for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            seeds=[s.seed for s in seqs],
+            step_indices=[len(s.output_token_ids) for s in seqs],
+            suppressed_token_ids=[s.suppressed_token_ids for s in seqs],
+        )
 
 
 @dataclass

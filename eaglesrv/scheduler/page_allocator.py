@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
 
 class OutOfPages(RuntimeError):
     """Not enough free pages; the caller decides whether to preempt or wait."""
@@ -43,3 +46,17 @@ class PageAllocator:
                 raise ValueError(f"page {page} is not allocated")
             self._is_free[page] = True
             self._free.append(page)
+
+    @contextmanager
+    def borrowed(self, counts: Sequence[int]) -> Iterator[list[list[int]]]:
+        """Page tables of counts[i] pages for a pass outside serving (cost-model timing,
+        scoring, feature capture), given back on exit whatever happens. The one way pages
+        leave the allocator other than through the scheduler."""
+        tables: list[list[int]] = []
+        try:
+            for count in counts:
+                tables.append(self.allocate(count))
+            yield tables
+        finally:
+            for table in tables:
+                self.free(table)

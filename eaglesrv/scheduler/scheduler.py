@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 from eaglesrv.configs.scheduler import SchedulerConfig
 from eaglesrv.scheduler.batch import ForwardMode, RequestOutput, ScheduledBatch, SequenceResult, SequenceWork
@@ -37,18 +39,35 @@ class NoProgress(RuntimeError):
     """A step would leave the oldest request behind: a scheduler bug, raised rather than stall."""
 
 
-class Scheduler:
-    """decode_lookahead: KV slots past its next token that a decoding request may use for
-    a draft tree and the draft's scratch (0 for plain decoding).
-    decode_cost: tokens a decoding request counts against the per-step token budget."""
+class DecodeDemand(Protocol):
+    """What a decoding request takes from a step. The step runner answers; the scheduler
+    reads it at every step, since an adaptive runner's answer changes with the load."""
 
+    @property
+    def decode_lookahead(self) -> int:
+        """KV slots past its next token for a draft tree and the draft's scratch (0: none)."""
+
+    @property
+    def decode_cost(self) -> int:
+        """Rows of the per-step token budget it counts for."""
+
+
+@dataclass(frozen=True)
+class FixedDemand:
+    decode_lookahead: int = 0
+    decode_cost: int = 1
+
+
+PLAIN_DECODING = FixedDemand()
+
+
+class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, num_pages: int, page_size: int, decode_lookahead: int = 0, decode_cost: int = 1
+        self, config: SchedulerConfig, num_pages: int, page_size: int, demand: DecodeDemand = PLAIN_DECODING
     ) -> None:
         self.config = config
         self.page_size = page_size
-        self.decode_lookahead = decode_lookahead
-        self.decode_cost = decode_cost
+        self.demand = demand
         self.pages = PageAllocator(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -58,8 +77,7 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------
     def add(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        """Queue a request; its id must be new (Engine.add_request checks that)."""
         self.validate(request)
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -99,6 +117,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         budget = self.config.token_budget or math.inf
+        decode_cost, decode_lookahead = self.demand.decode_cost, self.demand.decode_lookahead
         oldest = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
         planned: list[tuple[Request, int]] = []  # (request, tokens to compute), in batch order
         drafting: list[Request] = []  # decoding requests whose tree the budget can take
@@ -110,7 +129,7 @@ class Scheduler:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
             decoding = remaining == 1
-            may_draft = decoding and budget >= self.decode_cost
+            may_draft = decoding and budget >= decode_cost
             if decoding and not may_draft and planned:
                 break  # the rest wait for the next step; a first one always runs, plainly if need be
             count = 1 if decoding else int(min(remaining, budget))
@@ -119,11 +138,11 @@ class Scheduler:
             planned.append((request, count))
             if may_draft:
                 drafting.append(request)
-            budget -= self.decode_cost if may_draft else count
+            budget -= decode_cost if may_draft else count
             index += 1
 
         # 2. draft-tree slots, never at anyone's expense
-        lookahead = {request.request_id: self._grant_lookahead(request) for request in drafting}
+        lookahead = {request.request_id: self._grant_lookahead(request, decode_lookahead) for request in drafting}
 
         # 3. admission; admitting right after a preemption would only thrash the pool
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_running_requests:
@@ -205,18 +224,18 @@ class Scheduler:
             lookahead=lookahead,
         )
 
-    def _grant_lookahead(self, request: Request) -> int:
-        """decode_lookahead slots past the next token, if the context and the free pages
-        allow it whole; else 0 (the request decodes plainly this step)."""
-        end = request.num_computed_tokens + 1 + self.decode_lookahead
-        if not self.decode_lookahead or end > request.max_context_len:
+    def _grant_lookahead(self, request: Request, lookahead: int) -> int:
+        """`lookahead` slots past the next token, if the context and the free pages allow
+        it whole; else 0 (the request decodes plainly this step)."""
+        end = request.num_computed_tokens + 1 + lookahead
+        if not lookahead or end > request.max_context_len:
             return 0
         needed = self._pages_for(end) - len(request.page_table)
         if needed > self.pages.num_free:
             return 0
         if needed > 0:
             request.page_table.extend(self.pages.allocate(needed))
-        return self.decode_lookahead
+        return lookahead
 
     def _trim_pages(self, request: Request) -> None:
         """Give back pages past the computed tokens (rejected draft nodes, draft scratch)."""

@@ -1,7 +1,9 @@
-"""The HTTP frontend: OpenAI's API and SGLang's native one, in front of an engine process.
+"""The HTTP frontend: OpenAI's API and SGLang's native one, in front of an engine process
+(reached through eaglesrv.engine.client; the engine loop and its messages live in
+eaglesrv/engine/process.py and protocol.py). Nothing here imports torch.
 
 Module map (data flows top to bottom):
-    runner.py           start-up, serving, SIGTERM drain, exit codes
+    lifecycle.py        start-up, serving, SIGTERM drain, exit codes
     app.py              FastAPI app: routers, error envelopes, middleware
     middleware.py       API key (constant time), request-body size limit
     chat.py             POST /v1/chat/completions
@@ -17,8 +19,5 @@ Module map (data flows top to bottom):
     state.py            ServerState: the one owner of shared state (phase, admission, tokenizer)
     metrics.py          Prometheus registry owned by the server
     errors.py           OpenAI's error envelope
-    engine_client.py    API-process side of the engine IPC (asyncio streams, stats, abort)
-    engine_process.py   the engine loop, in its own process
-    engine_protocol.py  the IPC messages (token ids only)
     not_landed.py       flags accepted before their features land; the one place that says so
 """

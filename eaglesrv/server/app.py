@@ -6,9 +6,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 import eaglesrv
+from eaglesrv.engine.client import EngineDeadError
+from eaglesrv.scheduler import RequestRejected
 from eaglesrv.server.chat import chat_router
 from eaglesrv.server.completions import completions_router
-from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
 from eaglesrv.server.errors import error_response, install_error_handlers
 from eaglesrv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from eaglesrv.server.native import native_router
@@ -26,8 +27,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), code="service_unavailable")
 
-    @app.exception_handler(RequestRejectedError)
-    async def _rejected(request: Request, exc: RequestRejectedError) -> JSONResponse:
+    @app.exception_handler(RequestRejected)
+    async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
         return error_response(400, str(exc))
 
     # Added last = outermost: the size limit runs first, then the key check.

@@ -9,14 +9,32 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from eaglesrv.server.formatting import (
-    SSE_DONE, SSEResponse, TokenText, chat_logprobs, new_id, now_s, parse_body, sse, until_disconnected, usage,
+    SSE_DONE,
+    SSEResponse,
+    TokenText,
+    chat_logprobs,
+    new_id,
+    now_s,
+    parse_body,
+    sse,
+    until_disconnected,
+    usage,
 )
 from eaglesrv.server.generation import (
-    STREAM_FAILURES, ChoiceDelta, collect_choices, merge_choices, run_choice, stream_error,
+    STREAM_FAILURES,
+    ChoiceDelta,
+    collect_choices,
+    merge_choices,
+    run_choice,
+    stream_error,
 )
 from eaglesrv.server.openai_protocol import ChatCompletionRequest
 from eaglesrv.server.request_prep import (
-    chat_prompt_ids, check_prompt, check_stop_token_ids, openai_sampling_params, with_choice_seed,
+    chat_prompt_ids,
+    check_prompt,
+    check_stop_token_ids,
+    openai_sampling_params,
+    with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
 
@@ -55,7 +73,7 @@ class ChatHandler:
 
     def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
         return [
-            run_choice(self.state, i, f"{self.id}-{i}", self.prompt_ids, with_choice_seed(self.params, i),
+            run_choice(self.state, i, self.prompt_ids, with_choice_seed(self.params, i),
                        self.body.stop_strings, self.body.skip_special_tokens)
             for i in range(self.body.n)
         ]

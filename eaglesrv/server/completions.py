@@ -9,14 +9,32 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from eaglesrv.server.formatting import (
-    SSE_DONE, SSEResponse, TokenText, completion_logprobs, new_id, now_s, parse_body, sse, until_disconnected, usage,
+    SSE_DONE,
+    SSEResponse,
+    TokenText,
+    completion_logprobs,
+    new_id,
+    now_s,
+    parse_body,
+    sse,
+    until_disconnected,
+    usage,
 )
 from eaglesrv.server.generation import (
-    STREAM_FAILURES, ChoiceDelta, collect_choices, merge_choices, run_choice, stream_error,
+    STREAM_FAILURES,
+    ChoiceDelta,
+    collect_choices,
+    merge_choices,
+    run_choice,
+    stream_error,
 )
 from eaglesrv.server.openai_protocol import CompletionRequest
 from eaglesrv.server.request_prep import (
-    check_prompt, check_stop_token_ids, completion_prompts, openai_sampling_params, with_choice_seed,
+    check_prompt,
+    check_stop_token_ids,
+    completion_prompts,
+    openai_sampling_params,
+    with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
 
@@ -73,7 +91,7 @@ class CompletionHandler:
     def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
         n = self.body.n
         return [
-            run_choice(self.state, p * n + i, f"{self.id}-{p * n + i}", prompt_ids, with_choice_seed(self.params, i),
+            run_choice(self.state, p * n + i, prompt_ids, with_choice_seed(self.params, i),
                        self.body.stop_strings, self.body.skip_special_tokens)
             for p, prompt_ids in enumerate(self.prompts)
             for i in range(n)

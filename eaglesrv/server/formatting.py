@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from eaglesrv.server.engine_protocol import WireLogprob
+from eaglesrv.engine.protocol import WireLogprob
 from eaglesrv.server.errors import APIError, bad_request, from_validation_error
 
 T = TypeVar("T")

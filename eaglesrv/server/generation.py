@@ -14,10 +14,11 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
+from eaglesrv.engine.client import EngineDeadError
+from eaglesrv.engine.protocol import EngineOutput, WireLogprob
 from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.scheduler import RequestRejected
 from eaglesrv.server.detokenizer import IncrementalDetokenizer
-from eaglesrv.server.engine_client import EngineDeadError, RequestRejectedError
-from eaglesrv.server.engine_protocol import EngineOutput, WireLogprob
 from eaglesrv.server.errors import error_body
 from eaglesrv.server.formatting import sse
 from eaglesrv.server.state import ServerState
@@ -67,7 +68,6 @@ class ChoiceResult:
 async def run_choice(
     state: ServerState,
     index: int,
-    request_id: str,
     prompt_ids: list[int],
     params: SamplingParams,
     stop_strings: Sequence[str] = (),
@@ -79,7 +79,7 @@ async def run_choice(
     num_prompt = len(prompt_ids)
     reason: str | None = None
     try:
-        async with aclosing(state.client.stream(prompt_ids, params, request_id)) as outputs:
+        async with aclosing(state.client.stream(prompt_ids, params)) as outputs:
             async for out in outputs:
                 now = time.monotonic()
                 first = out.num_output_tokens == len(out.new_token_ids)
@@ -189,7 +189,7 @@ async def collect_choices(runs: list[AsyncIterator[ChoiceDelta]]) -> list[Choice
     return [results[i] for i in sorted(results)]
 
 
-STREAM_FAILURES = (EngineDeadError, RequestRejectedError)  # what ends a stream with an error event
+STREAM_FAILURES = (EngineDeadError, RequestRejected)  # what ends a stream with an error event
 
 
 def stream_error(exc: Exception) -> str:

@@ -20,7 +20,13 @@ from eaglesrv.configs.cli import ENGINE_FLAGS
 from eaglesrv.server.errors import bad_request
 from eaglesrv.server.formatting import SSE_DONE, SSEResponse, new_id, parse_body, sse, until_disconnected
 from eaglesrv.server.generation import (
-    STREAM_FAILURES, ChoiceDelta, ChoiceResult, collect_choices, merge_choices, run_choice, stream_error,
+    STREAM_FAILURES,
+    ChoiceDelta,
+    ChoiceResult,
+    collect_choices,
+    merge_choices,
+    run_choice,
+    stream_error,
 )
 from eaglesrv.server.request_prep import build_sampling_params, check_prompt, check_stop_token_ids, completion_prompts
 from eaglesrv.server.state import ServerState
@@ -140,7 +146,7 @@ class GenerateHandler:
 
     def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
         skip = self.body.sampling_params.skip_special_tokens
-        return [run_choice(self.state, i, f"{self.id}-{i}", ids, self.params, self.stop_strings, skip)
+        return [run_choice(self.state, i, ids, self.params, self.stop_strings, skip)
                 for i, ids in enumerate(self.prompts)]
 
     async def respond(self, request: Request) -> Response:

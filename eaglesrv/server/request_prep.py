@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from eaglesrv.engine.protocol import EngineInfo
 from eaglesrv.sampling_params import InvalidSamplingParams, SamplingParams
-from eaglesrv.server.engine_protocol import EngineInfo
 from eaglesrv.server.errors import bad_request
 
 

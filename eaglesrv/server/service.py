@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from eaglesrv.server.engine_client import EngineDeadError
+from eaglesrv.engine.client import EngineDeadError
 from eaglesrv.server.errors import APIError, error_response
 from eaglesrv.server.state import ServerState
 

@@ -10,8 +10,8 @@ import time
 from typing import Callable
 
 from eaglesrv.configs import EngineConfig, ServerConfig
-from eaglesrv.server.engine_client import EngineClient
-from eaglesrv.server.engine_protocol import EngineInfo
+from eaglesrv.engine.client import EngineClient
+from eaglesrv.engine.protocol import EngineInfo
 from eaglesrv.server.errors import APIError
 from eaglesrv.server.metrics import ServerMetrics
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -1,7 +1,7 @@
 """Training sequences: ShareGPT conversations in the target's chat template, with a loss
 mask over the assistant's tokens.
 
-Only the first TRAINING_CONVERSATIONS usable conversations may be used (DESIGN.md,
+Only the first TRAINING_CONVERSATIONS usable conversations may be used (docs/architecture.md,
 held-out rule); `training_conversations` asserts it.
 
 Which tokens are the assistant's is read off the rendered text, not guessed per template:

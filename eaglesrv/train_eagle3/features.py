@@ -27,9 +27,7 @@ from typing import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.llm_engine import Engine
-from eaglesrv.kernels.attention.base import SequenceSpan
 from eaglesrv.train_eagle3.data import TrainingSequence
 
 STORE_DTYPE = torch.bfloat16
@@ -66,18 +64,8 @@ def target_pass(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One packed forward: (aux [N, 3H], hidden [N, H], valid [N], top [N]) on the CPU, N = all tokens."""
     device = engine.device
-    page_size = engine.kv.page_size
-    tables = [engine.scheduler.pages.allocate(-(-len(s.token_ids) // page_size)) for s in sequences]
-    try:
-        spans = [SequenceSpan(table, 0, len(s.token_ids)) for table, s in zip(tables, sequences)]
-        attention = engine.runner.attention
-        ctx = ForwardContext(attention, attention.plan(spans), engine.kv)
-        ids = torch.tensor([t for s in sequences for t in s.token_ids], device=device)
-        positions = torch.cat([torch.arange(len(s.token_ids)) for s in sequences]).to(device)
-        hidden, aux = engine.model(ids, positions, ctx, capture_layers)
-    finally:
-        for table in tables:
-            engine.scheduler.pages.free(table)
+    hidden, aux = engine.forward_sequences([s.token_ids for s in sequences], capture_layers)
+    ids = [t for s in sequences for t in s.token_ids]
     # valid[t]: token t + 1 is reply text (and exists) and the target's argmax is nameable.
     wanted = torch.tensor([m for s in sequences for m in s.loss_mask[1:] + [False]])
     rows = wanted.nonzero().squeeze(1)

@@ -35,8 +35,14 @@ from eaglesrv.engine.eagle3.head_io import head_config_for, load_draft_head, sav
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.train_eagle3.config import RUN_FIELDS, TrainConfig
 from eaglesrv.train_eagle3.data import (
-    Messages, TrainingSequence, conversation_messages, data_summary, encode_all, sequences_digest,
-    training_conversations, validation_conversations,
+    Messages,
+    TrainingSequence,
+    conversation_messages,
+    data_summary,
+    encode_all,
+    sequences_digest,
+    training_conversations,
+    validation_conversations,
 )
 from eaglesrv.train_eagle3.distill import regenerate
 from eaglesrv.train_eagle3.features import ExtractionStats, FeatureCache, extract_features

@@ -16,9 +16,9 @@ import json
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import torch

@@ -51,19 +51,23 @@ def plain() -> ServerVariant:
     return ServerVariant(BASELINE, ())
 
 
-def eagle3(draft_model_path: str | None, tree: EagleTree) -> ServerVariant:
-    """draft_model_path None: the head eaglesrv ships for the default model."""
+def _speculative_flags(draft_model_path: str | None, tree: EagleTree) -> tuple[str, ...]:
     head = ("--speculative-draft-model-path", draft_model_path) if draft_model_path else ()
-    return ServerVariant(f"eagle3 ({tree})", ("--speculative-algorithm", "EAGLE3", *head,
-        "--speculative-num-steps", str(tree.num_steps), "--speculative-eagle-topk", str(tree.eagle_topk),
-        "--speculative-num-draft-tokens", str(tree.num_draft_tokens),
-    ))
+    return ("--speculative-algorithm", "EAGLE3", *head, "--speculative-num-steps", str(tree.num_steps),
+            "--speculative-eagle-topk", str(tree.eagle_topk), "--speculative-num-draft-tokens",
+            str(tree.num_draft_tokens))
+
+
+def eagle3(draft_model_path: str | None, tree: EagleTree) -> ServerVariant:
+    """The static tree at every step, as SGLang runs it; draft_model_path None: the head
+    eaglesrv ships for the default model."""
+    return ServerVariant(f"eagle3 ({tree})", _speculative_flags(draft_model_path, tree)
+                         + ("--disable-speculative-adaptive",))
 
 
 def adaptive(draft_model_path: str | None, largest: EagleTree) -> ServerVariant:
-    """--speculative-adaptive with `largest` as the biggest tree a step may use."""
-    static = eagle3(draft_model_path, largest)
-    return ServerVariant(f"adaptive (<={largest})", static.server_args + ("--speculative-adaptive",))
+    """Adaptive speculation (eaglesrv's default) with `largest` as the biggest tree a step may use."""
+    return ServerVariant(f"adaptive (<={largest})", _speculative_flags(draft_model_path, largest))
 
 
 def custom(spec: str) -> ServerVariant:

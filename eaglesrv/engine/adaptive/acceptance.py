@@ -15,7 +15,8 @@ chain predicts trees and deeper chains from what it showed, instead of from a fi
 guess, and wider trees are not tried on optimism alone.
 
 Per request, a multiplier m = (accepted draft tokens + prior) / (predicted + prior), also
-decayed, scales the table's prediction: L_request = 1 + m (L - 1).
+decayed, scales the table's prediction: L_request = 1 + m (L - 1). The table is shared;
+each request's RequestAcceptance lives in that request's record in the EAGLE-3 runner.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eaglesrv.engine.eagle3.shape import TreeShape
+from eaglesrv.engine.tree_shape import TreeShape
 
 DECAY = 0.998  # per verification: a window of about 500
 PRIOR_TRIALS = 4.0
@@ -64,7 +65,6 @@ class AcceptanceTable:
     trials: np.ndarray = field(init=False)  # [depths, ranks], decayed
     hits: np.ndarray = field(init=False)
     version: int = 0  # bumped on every update, so predictions can be cached
-    requests: dict[str, RequestAcceptance] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.trials = np.zeros((self.depths, self.ranks))  # observed, decayed
@@ -84,8 +84,8 @@ class AcceptanceTable:
                 rates[d, r] = (self.hits[d, r] + PRIOR_TRIALS * prior) / (self.trials[d, r] + PRIOR_TRIALS)
         return rates
 
-    def record(self, request_id: str, shape: TreeShape, trials: list[tuple[int, int, bool]]) -> None:
-        """One verification: (depth 1-based, rank 0-based, hit) per child examined."""
+    def record(self, shape: TreeShape, trials: list[tuple[int, int, bool]], request: RequestAcceptance) -> None:
+        """One verification of `request`: (depth 1-based, rank 0-based, hit) per child examined."""
         predicted = self.expected_accept_length(shape) - 1
         self.trials *= DECAY
         self.hits *= DECAY
@@ -95,22 +95,8 @@ class AcceptanceTable:
             if hit:
                 self.hits[depth - 1, rank] += 1
                 accepted += 1
-        self.requests.setdefault(request_id, RequestAcceptance()).record(accepted, predicted)
+        request.record(accepted, predicted)
         self.version += 1
-
-    def relax(self, request_ids) -> None:
-        """Requests that sat this step out: a poor record is retried after a while."""
-        for request_id in request_ids:
-            record = self.requests.get(request_id)
-            if record is not None:
-                record.relax()
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    def multiplier(self, request_id: str) -> float:
-        record = self.requests.get(request_id)
-        return record.multiplier if record is not None else 1.0
 
     def expected_accept_length(self, shape: TreeShape) -> float:
         if self._cache_version != self.version:

@@ -1,12 +1,15 @@
 """Measure the cost model on the machine at hand, once, and cache it.
 
-Target passes are timed at row counts 1, 2, 4, ... up to the most one step can carry,
-with the rows spread over requests of `nodes` rows each (tree-mask spans, as verification
-runs them) behind CONTEXT_TOKENS cached tokens each (fewer when the KV pool is smaller); the output layer (logits and argmax)
-at the same row counts; draft passes like target passes, with topk rows per request. Each point is the fastest of three sweeps over the whole ladder after one warm-up, and
-a point below a smaller size's is raised to it (CostCurve.monotone). The result is cached
-under $EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes,
-dtype, device, threads, attention backend, page size, torch version).
+Target passes are timed at row counts 1, 2, 4, ... up to the most one step can carry, with
+the rows spread over requests of `nodes` rows each (tree-mask spans, as verification runs
+them) behind CONTEXT_TOKENS cached tokens each (fewer when the KV pool is smaller); the
+output layer (logits and argmax) at the same row counts; draft passes like target passes,
+with topk rows per request. The price of attention per context token comes from the same
+kind of passes timed at two depths (_attention_prices). Each point is the fastest of three
+sweeps over the whole ladder after one warm-up, and a point below a smaller size's is
+raised to it (CostCurve.monotone). The result is cached under
+$EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes, dtype,
+device, threads, attention backend, page size, torch version).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from pathlib import Path
 import torch
 
 from eaglesrv.engine.adaptive.cost_model import CostCurve, CostModel
-from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.kernels.attention.base import SequenceSpan
 from eaglesrv.scheduler.page_allocator import PageAllocator
 from eaglesrv.utils.package_fetch import default_cache_dir
@@ -31,9 +33,12 @@ from eaglesrv.utils.package_fetch import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CONTEXT_TOKENS = 128
+DEEP_CONTEXT_TOKENS = 1024  # the second depth, for the price of attention per context token
+SLOPE_REQUESTS = 8  # requests in the passes timed at both depths
+SLOPE_ROWS = 4  # target rows per request in them (a tree-masked span, as verification runs)
 MAX_TARGET_ROWS = 2048
 MAX_DRAFT_ROWS = 1024
-FORMAT = 3  # bump when what is measured changes
+FORMAT = 4  # bump when what is measured changes
 
 
 def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
@@ -51,16 +56,17 @@ def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: 
     temporary.write_text(json.dumps(model.to_json(), indent=1))
     temporary.rename(path)
     logger.info("Speculation cost model: measured in %.1f s, cached at %s; target pass %.1f ms at 1 row, "
-                "%.1f ms at %d rows", time.monotonic() - started, path, 1e3 * model.target.seconds[0],
-                1e3 * model.target.seconds[-1], model.target.rows[-1])
+                "%.1f ms at %d rows, +%.2f us per row per context token", time.monotonic() - started, path,
+                1e3 * model.target.seconds[0], 1e3 * model.target.seconds[-1], model.target.rows[-1],
+                1e6 * model.attention_s)
     return model
 
 
 def measuring_context(runner, free_pages: int) -> int:
     """Cached tokens behind each measuring request: CONTEXT_TOKENS, or what a pool too
     small for one such request leaves (a tiny test pool must still start)."""
-    page_size = runner.target_kv.page_size
-    context = min(CONTEXT_TOKENS, free_pages * page_size - runner.lookahead - 1)
+    page_size = runner.kv.page_size
+    context = min(CONTEXT_TOKENS, free_pages * page_size - runner.decode_lookahead - 1)
     if context < 0:
         raise ValueError("the KV pool is too small to measure the speculation cost model")
     return context
@@ -69,44 +75,61 @@ def measuring_context(runner, free_pages: int) -> int:
 @torch.inference_mode()
 def measure(runner, pages: PageAllocator, max_requests: int, context: int = CONTEXT_TOKENS) -> CostModel:
     largest = runner.largest
-    page_size = runner.target_kv.page_size
-    per_request_pages = math.ceil((context + runner.lookahead + 1) / page_size)
+    page_size = runner.kv.page_size
+    per_request_pages = math.ceil((context + runner.decode_lookahead + 1) / page_size)
     requests = min(max_requests, pages.num_free // per_request_pages)
     if requests < 1:
         raise ValueError("the KV pool is too small to measure the speculation cost model")
-    tables = [pages.allocate(per_request_pages) for _ in range(requests)]
-    try:
+    with pages.borrowed([per_request_pages] * requests) as tables:
         target_rows = _ladder(min(MAX_TARGET_ROWS, requests * largest.nodes))
         draft_rows = _ladder(min(MAX_DRAFT_ROWS, requests * largest.topk))
         target = _best_times([lambda m=m: _target_pass(runner, tables, context, m, largest.nodes)
                               for m in target_rows])
         logits = _best_times([lambda m=m: _logits_pass(runner, m) for m in target_rows])
         draft = _best_times([lambda r=r: _draft_pass(runner, tables, context, r, largest.topk) for r in draft_rows])
-    finally:
-        for table in tables:
-            pages.free(table)
+    attention_s, draft_attention_s = _attention_prices(runner, pages, context)
     return CostModel(CostCurve.monotone(target_rows, target), CostCurve.monotone(target_rows, logits),
-                     CostCurve.monotone(draft_rows, draft), context)
+                     CostCurve.monotone(draft_rows, draft), context, attention_s, draft_attention_s)
+
+
+def _attention_prices(runner, pages: PageAllocator, context: int) -> tuple[float, float]:
+    """Seconds per row per context token of a target and of a draft pass: the same passes
+    timed with every request `context` and DEEP_CONTEXT_TOKENS deep. A pool too small for
+    the deep passes leaves both at 0 (the model then ignores depth, as it did before)."""
+    topk = runner.largest.topk
+    span = max(SLOPE_ROWS, topk) + 1
+    deep = min(DEEP_CONTEXT_TOKENS, runner.target.arch.max_position_embeddings - span)  # positions must exist
+    per_request_pages = math.ceil((deep + span) / runner.kv.page_size)
+    requests = min(SLOPE_REQUESTS, pages.num_free // per_request_pages)
+    if requests < 1 or deep <= context:
+        logger.info("Speculation cost model: the KV pool or context is too small to price attention by depth")
+        return 0.0, 0.0
+    target_rows, draft_rows = requests * SLOPE_ROWS, requests * topk
+    with pages.borrowed([per_request_pages] * requests) as tables:
+        shallow, deeper = _best_times([lambda d=d: _target_pass(runner, tables, d, target_rows, SLOPE_ROWS)
+                                       for d in (context, deep)])
+        draft_shallow, draft_deeper = _best_times([lambda d=d: _draft_pass(runner, tables, d, draft_rows, topk)
+                                                   for d in (context, deep)])
+    return (max(0.0, (deeper - shallow) / (target_rows * (deep - context))),
+            max(0.0, (draft_deeper - draft_shallow) / (draft_rows * (deep - context))))
 
 
 def _target_pass(runner, tables, context: int, rows: int, per_request: int) -> None:
     ids, positions, spans = _spans(tables, context, rows, per_request, runner.device)
-    ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.target_kv)
-    hidden, features = runner.target(ids, positions, ctx, runner.capture_layers)
+    hidden, features = runner.target_pass(ids, positions, spans, runner.capture_layers)
     features[:1].cpu()  # waits for the pass on an accelerator
 
 
 def _logits_pass(runner, rows: int) -> None:
-    hidden = torch.zeros(rows, runner.target.arch.hidden_size, dtype=runner.target_kv.k.dtype, device=runner.device)
+    hidden = torch.zeros(rows, runner.target.arch.hidden_size, dtype=runner.kv.k.dtype, device=runner.device)
     runner.target.compute_logits(hidden).argmax(-1).tolist()  # verification reads every node's argmax
 
 
 def _draft_pass(runner, tables, context: int, rows: int, per_request: int) -> None:
     ids, positions, spans = _spans(tables, context, rows, per_request, runner.device)
-    ctx = ForwardContext(runner.attention, runner.attention.plan(spans), runner.draft_kv)
-    features = torch.zeros(rows, runner.draft.config.arch.hidden_size, dtype=runner.target_kv.k.dtype,
+    features = torch.zeros(rows, runner.draft.config.arch.hidden_size, dtype=runner.kv.k.dtype,
                            device=runner.device)
-    logits, _ = runner.draft(ids, features, positions, ctx)
+    logits, _ = runner.draft_pass(ids, features, positions, spans)
     torch.log_softmax(logits, dim=-1).cpu()
 
 
@@ -162,11 +185,11 @@ def _cache_key(runner, context: int) -> str:
         "target": asdict(runner.target.arch),
         "draft": asdict(runner.draft.config.arch),
         "draft_vocab": runner.draft.config.draft_vocab_size,
-        "dtype": str(runner.target_kv.k.dtype),
+        "dtype": str(runner.kv.k.dtype),
         "device": device_name,
         "threads": torch.get_num_threads(),
         "attention": runner.attention.name,
-        "page_size": runner.target_kv.page_size,
+        "page_size": runner.kv.page_size,
         "largest": [runner.largest.steps, runner.largest.topk, runner.largest.nodes],
         "torch": torch.__version__,
     }

@@ -1,16 +1,17 @@
-"""The adaptive mode's state in one place: cost model, acceptance table, policy, backlog,
-and the record of what it chose (for /metrics and the logs)."""
+"""The adaptive mode's shared state in one place: cost model, acceptance table, policy,
+feature pool, and the record of what it chose (for /metrics and the logs). What it keeps
+per request (acceptance record, backlog) lives in the EAGLE-3 runner's request records."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from eaglesrv.engine.adaptive.acceptance import AcceptanceTable
-from eaglesrv.engine.adaptive.backlog import FeatureBacklog
+from eaglesrv.engine.adaptive.acceptance import AcceptanceTable, RequestAcceptance
+from eaglesrv.engine.adaptive.backlog import FeaturePool
 from eaglesrv.engine.adaptive.cost_model import CostModel
 from eaglesrv.engine.adaptive.policy import HYSTERESIS, Decision, SpeculationPolicy, StepLoad
-from eaglesrv.engine.eagle3.shape import TreeShape
+from eaglesrv.engine.tree_shape import TreeShape
 
 logger = logging.getLogger(__name__)
 
@@ -19,13 +20,13 @@ PLAIN_RECHECK_STEPS = 3  # steps a plain decision may be repeated without a sear
 
 
 class AdaptiveSpeculation:
-    def __init__(self, largest: TreeShape, costs: CostModel, backlog: FeatureBacklog,
+    def __init__(self, largest: TreeShape, costs: CostModel, features: FeaturePool,
                  hysteresis: float = HYSTERESIS) -> None:
         self.largest = largest
         self.costs = costs
         self.acceptance = AcceptanceTable(largest.steps, largest.topk)
         self.policy = SpeculationPolicy(largest, costs, self.acceptance, hysteresis)
-        self.backlog = backlog
+        self.features = features
         self.last: Decision | None = None
         self.steps = {"plain": 0, "speculative": 0}
         self._logged_shape: object = "unset"
@@ -35,13 +36,11 @@ class AdaptiveSpeculation:
         self._repeats = 0  # steps that repeated that decision since
 
     def restart(self) -> "AdaptiveSpeculation":
-        """The same measured costs and feature pool with nothing learnt or held: after
-        warm-up, whose first-call steps and dummy prompts say nothing about real traffic."""
-        fresh = CostModel(self.costs.target, self.costs.logits, self.costs.draft, self.costs.context_tokens)
-        self.backlog.clear()
-        return AdaptiveSpeculation(self.largest, fresh, self.backlog, self.policy.hysteresis)
+        """The same measured costs and feature pool with nothing learnt: after warm-up,
+        whose first-call steps and dummy prompts say nothing about real traffic."""
+        return AdaptiveSpeculation(self.largest, self.costs.measured(), self.features, self.policy.hysteresis)
 
-    def repeat_plain(self, decoding: int, other_rows: int, eligible_ids: list[str]) -> Decision | None:
+    def repeat_plain(self, decoding: int, other_rows: int, eligible: list[RequestAcceptance]) -> Decision | None:
         """The last decision again, without a search, when it chose plain decoding for a
         decode-only step of the same number of requests at most PLAIN_RECHECK_STEPS ago,
         and this step is decode-only too; else None (search). A long plain spell is where
@@ -51,10 +50,12 @@ class AdaptiveSpeculation:
         if other_rows or self._plain_decoding != decoding or self._repeats >= PLAIN_RECHECK_STEPS:
             return None
         self._repeats += 1
-        self._record(self.last, decoding, eligible_ids)
+        self._record(self.last, decoding, eligible)
         return self.last
 
-    def decide(self, load: StepLoad, eligible_ids: list[str]) -> Decision:
+    def decide(self, load: StepLoad, eligible: list[RequestAcceptance]) -> Decision:
+        """The step's shape and speculating requests; `eligible` holds the records of the
+        requests that may speculate, in the order of load.multipliers."""
         decision = self.policy.decide(load)
         if not load.decoding:
             return decision  # a prefill-only step: nothing was chosen, nothing to record
@@ -62,12 +63,14 @@ class AdaptiveSpeculation:
         # passes differ, and the chunk's request joins the decoding ones next step.
         self._plain_decoding = load.decoding if decision.shape is None and not load.other_rows else None
         self._repeats = 0
-        self._record(decision, load.decoding, eligible_ids)
+        self._record(decision, load.decoding, eligible)
         return decision
 
-    def _record(self, decision: Decision, decoding: int, eligible_ids: list[str]) -> None:
+    def _record(self, decision: Decision, decoding: int, eligible: list[RequestAcceptance]) -> None:
         chosen = set(decision.speculating)
-        self.acceptance.relax(rid for index, rid in enumerate(eligible_ids) if index not in chosen)
+        for index, record in enumerate(eligible):
+            if index not in chosen:  # sat this step out: a poor record is retried after a while
+                record.relax()
         self.last = decision
         self.steps[decision.kind] += 1
         now = time.monotonic()
@@ -78,10 +81,6 @@ class AdaptiveSpeculation:
 
     def observe(self, decision: Decision, seconds: float) -> None:
         self.costs.observe(decision.passes_s, len(decision.speculating), seconds)
-
-    def forget(self, request_id: str) -> None:
-        self.acceptance.forget(request_id)
-        self.backlog.forget(request_id)
 
     def snapshot(self) -> dict:
         shape = self.last.shape if self.last is not None else None

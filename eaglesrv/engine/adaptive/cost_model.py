@@ -1,18 +1,28 @@
-"""What a step costs: seconds of a target pass and of a draft pass, by rows computed.
+"""What a step costs: seconds of a target pass and of a draft pass, by rows computed and by
+the context those rows attend over.
 
-So is the target's output layer, priced apart because it runs only on the rows that are
-sampled or verified (not on prefill chunks). All are measured once on the machine at hand and interpolated linearly between the
-measured row counts (past the largest, time grows in proportion to rows: passes that big
-are compute-bound). Rows are packed tokens: a plain decode is one row per request, a
-verification `nodes` rows per request, a draft pass topk rows per speculating request.
+Passes are measured once on the machine at hand with every request CONTEXT_TOKENS deep
+(calibrate.py) and interpolated linearly between the measured row counts (past the
+largest, time grows in proportion to rows: passes that big are compute-bound). Rows are
+packed tokens: a plain decode is one row per request, a verification `nodes` rows per
+request, a draft pass topk rows per speculating request. The target's output layer is
+priced apart, since it runs only on the rows that are sampled or verified.
 
-The measured passes leave out what a real step adds. `correction` learns it from the
-step times seen (StepCorrection): a factor on the passes (contexts other than the measured
-one, attention over many short spans) and a fixed host cost per speculating request (tree
-building, acceptance, compaction). Only steps without prefill chunks feed it: a chunk's
-cost depends on its own length and context, which the decode-shaped measurement does not
-model, and letting it in would make plain decoding look dearer than it is whenever
-requests arrive.
+Attention grows with the context each row attends over, and a tree multiplies it: at 16
+requests 2,048 tokens deep, a pass of 8 rows each took 5.4x a plain decode's pass, against
+2.9x at 128 tokens (default model, float32, 2-core AMD EPYC). A cost model measured at one
+depth then prices long-context trees far too low, and a correction learnt on plain steps
+cannot fix that (it drifted to a factor of 1.53 on ShareGPT prompts, and adaptive ran at
+0.91x plain). So each pass also pays a measured price per row per context token beyond the
+measured depth (`attention_s`, `draft_attention_s`); the policy hands in the excess:
+sum over rows of (context - measured context).
+
+The measured passes still leave out what a real step adds. `correction` learns it from
+the step times seen (StepCorrection): a factor on the passes and a fixed host cost per
+speculating request (tree building, acceptance, compaction). Only steps without prefill
+chunks feed it: a chunk's cost depends on its own length and context, which the
+decode-shaped measurement does not model, and letting it in would make plain decoding look
+dearer than it is whenever requests arrive.
 
 The draft's catch-up over a backlog (backlog.py) is priced apart (`catch_up`: a draft
 pass over the backlog tokens, times a learnt ratio): it is paid once, in the step where a
@@ -118,8 +128,15 @@ class CostModel:
     logits: CostCurve  # the target's output layer, by rows it is applied to (sampled or verified rows)
     draft: CostCurve  # one draft pass, by rows
     context_tokens: int = 0  # cached tokens per request while measuring
+    attention_s: float = 0.0  # target pass seconds per row per context token beyond context_tokens
+    draft_attention_s: float = 0.0  # the same for a draft pass
     correction: StepCorrection = field(default_factory=StepCorrection)
     catch_up_factor: float = 1.0  # actual catch-up seconds over the draft curve's price, learnt
+
+    def measured(self) -> "CostModel":
+        """The measurement alone, with nothing learnt."""
+        return CostModel(self.target, self.logits, self.draft, self.context_tokens, self.attention_s,
+                         self.draft_attention_s)
 
     def catch_up(self, tokens) -> np.ndarray:
         """Seconds of the draft's catch-up over `tokens` backlog tokens in all (one draft
@@ -132,29 +149,40 @@ class CostModel:
             ratio = float(np.clip(seconds / float(self.draft(tokens)), *FACTOR_RANGE))
             self.catch_up_factor = CATCH_UP_DECAY * self.catch_up_factor + (1 - CATCH_UP_DECAY) * ratio
 
-    def plain_passes(self, decode_rows, other_rows: int = 0) -> np.ndarray:
+    def plain_passes(self, decode_rows, other_rows: int = 0, excess=0.0) -> np.ndarray:
+        """excess: over the decoding rows, the summed context beyond the measured depth."""
         decode_rows = np.asarray(decode_rows)
-        return self.target(decode_rows + other_rows) + self.logits(decode_rows)
+        return (self.target(decode_rows + other_rows) + self.logits(decode_rows)
+                + self.attention_s * np.asarray(excess, dtype=float))
 
-    def speculative_passes(self, nodes, topk, steps, speculating, plain_rows, accept_length) -> np.ndarray:
+    def speculative_passes(self, nodes, topk, steps, speculating, plain_rows, accept_length,
+                           spec_excess=0.0, plain_excess=0.0) -> np.ndarray:
         """The passes of a step where `speculating` requests verify trees of (steps, topk,
         nodes) and `plain_rows` rows decode plainly beside them: steps - 1 draft passes of
         topk rows per speculating request, one target pass, one draft extend over the
-        committed tokens. Arguments broadcast (numpy), so one call prices many shapes and
-        set sizes."""
+        committed tokens. spec_excess / plain_excess: the summed context beyond the measured
+        depth of the speculating requests and of the plain rows (one per request: a tree
+        multiplies its request's by its rows). Arguments broadcast (numpy), so one call
+        prices many shapes and set sizes."""
         speculating = np.asarray(speculating, dtype=float)
-        decode_rows = speculating * np.asarray(nodes) + np.asarray(plain_rows)  # every row gets logits
-        drafting = (np.asarray(steps) - 1) * self.draft(speculating * np.asarray(topk))
+        nodes, topk, steps = np.asarray(nodes), np.asarray(topk), np.asarray(steps)
+        decode_rows = speculating * nodes + np.asarray(plain_rows)  # every row gets logits
+        drafting = (steps - 1) * self.draft(speculating * topk)
         extend = self.draft(speculating * np.asarray(accept_length))
-        return self.target(decode_rows) + self.logits(decode_rows) + drafting + extend
+        spec_excess, plain_excess = np.asarray(spec_excess, dtype=float), np.asarray(plain_excess, dtype=float)
+        attention = self.attention_s * (nodes * spec_excess + plain_excess)
+        draft_attention = self.draft_attention_s * ((steps - 1) * topk + np.asarray(accept_length)) * spec_excess
+        return self.target(decode_rows) + self.logits(decode_rows) + drafting + extend + attention + draft_attention
 
-    def plain_step(self, decode_rows, other_rows: int = 0) -> np.ndarray:
+    def plain_step(self, decode_rows, other_rows: int = 0, excess=0.0) -> np.ndarray:
         """Predicted seconds of a plain step, corrected."""
-        return self.correction(self.plain_passes(decode_rows, other_rows))
+        return self.correction(self.plain_passes(decode_rows, other_rows, excess))
 
-    def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length) -> np.ndarray:
+    def speculative_step(self, nodes, topk, steps, speculating, plain_rows, accept_length,
+                         spec_excess=0.0, plain_excess=0.0) -> np.ndarray:
         """Predicted seconds of a speculative step, corrected (see speculative_passes)."""
-        passes = self.speculative_passes(nodes, topk, steps, speculating, plain_rows, accept_length)
+        passes = self.speculative_passes(nodes, topk, steps, speculating, plain_rows, accept_length,
+                                         spec_excess, plain_excess)
         return self.correction(passes, speculating)
 
     def observe(self, passes_s: float, speculating: int, actual_s: float) -> None:
@@ -162,9 +190,10 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {"target": self.target.to_json(), "logits": self.logits.to_json(), "draft": self.draft.to_json(),
-                "context_tokens": self.context_tokens}
+                "context_tokens": self.context_tokens, "attention_s": self.attention_s,
+                "draft_attention_s": self.draft_attention_s}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         return cls(CostCurve(**data["target"]), CostCurve(**data["logits"]), CostCurve(**data["draft"]),
-                   data.get("context_tokens", 0))
+                   data.get("context_tokens", 0), data.get("attention_s", 0.0), data.get("draft_attention_s", 0.0))

@@ -5,7 +5,7 @@ larger than the configured one) and the set S of requests that speculate with it
 maximize the expected output tokens per second of the step:
 
     tokens(s, S) = decoding + (L(s) - 1) * sum of m_i over S
-    value(s, S)  = tokens(s, S) / (seconds(s, |S|) + catch-up(S))
+    value(s, S)  = tokens(s, S) / (seconds(s, |S|, contexts of S) + catch-up(S))
 
 A step with a prefill chunk in its pass decodes plainly (see decide).
 
@@ -16,12 +16,13 @@ the rest spread over the steps it serves (the next CATCH_UP_HORIZON, or fewer wh
 reply ends sooner). Without it, switching 16 requests to a chain for a predicted 2-7%
 gain first paid a draft pass over their whole prompts, 157 ms on a 2-core CPU.
 
-Apart from the catch-up, the step's cost depends on S only through |S| and the gain is
-additive, so for each size j the best S is the j requests with the largest m_i (shorter
-backlogs first among equals): the search runs over shapes and j only, all at once with
-numpy. Tests check it against every subset when no request has a backlog; with backlogs
-it is a heuristic, since a request may gain a little more than another yet cost a much
-longer catch-up.
+Apart from the catch-up and the contexts its trees attend over (cost_model.py), the step's
+cost depends on S only through |S| and the gain is additive, so for each size j the S
+searched is the j requests with the largest m_i (shorter backlogs, then shorter contexts,
+first among equals): the search runs over shapes and j only, all at once with numpy. Tests
+check it against every subset when no request has a backlog and all are equally deep; with
+backlogs or mixed depths it is a heuristic, since a request may gain a little more than
+another yet cost a much longer catch-up or a deeper tree.
 
 Hysteresis: the shape changes only when the best value beats the current shape's own best
 value by more than `hysteresis` (a fraction), so that noise in the estimates does not make
@@ -37,7 +38,7 @@ import numpy as np
 
 from eaglesrv.engine.adaptive.acceptance import AcceptanceTable
 from eaglesrv.engine.adaptive.cost_model import CostModel
-from eaglesrv.engine.eagle3.shape import TreeShape, candidate_shapes
+from eaglesrv.engine.tree_shape import TreeShape, candidate_shapes
 
 HYSTERESIS = 0.05
 CATCH_UP_HORIZON = 16  # steps a catch-up is spread over (what it buys lasts until the request stops speculating)
@@ -69,6 +70,8 @@ class StepLoad:
     other_rows: int = 0  # prefill-chunk tokens computed in the same pass
     backlogs: Sequence[int] = ()  # per eligible request, tokens its draft must catch up on first (none if empty)
     remaining: Sequence[int] = ()  # per eligible request, tokens it may still generate (unbounded if empty)
+    contexts: Sequence[int] = ()  # per eligible request, tokens in its cache (the measured depth if empty)
+    other_context: int | None = None  # summed over decoding requests that may not speculate (measured depth if None)
 
 
 class SpeculationPolicy:
@@ -86,8 +89,14 @@ class SpeculationPolicy:
         self._accept_version = -ACCEPT_REFRESH
 
     def decide(self, load: StepLoad) -> Decision:
-        plain = Decision(None, (), load.decoding / float(self.costs.plain_step(load.decoding)),
-                         float(self.costs.plain_passes(load.decoding, load.other_rows)))
+        depth = self.costs.context_tokens
+        excess = (np.asarray(load.contexts, dtype=float) - depth if len(load.contexts)
+                  else np.zeros(len(load.multipliers)))  # [J] context beyond the measured depth
+        other_excess = 0.0 if load.other_context is None else (
+            load.other_context - depth * (load.decoding - len(load.multipliers)))
+        total_excess = float(excess.sum()) + other_excess
+        plain = Decision(None, (), load.decoding / float(self.costs.plain_step(load.decoding, excess=total_excess)),
+                         float(self.costs.plain_passes(load.decoding, load.other_rows, total_excess)))
         if not load.multipliers:
             return plain  # nobody can speculate: the shape says nothing, keep it
         if load.other_rows:
@@ -100,7 +109,7 @@ class SpeculationPolicy:
         backlogs = np.asarray(load.backlogs, dtype=float) if len(load.backlogs) else np.zeros(len(multipliers))
         horizons = np.clip(np.asarray(load.remaining, dtype=float) if len(load.remaining) else CATCH_UP_HORIZON,
                            1, CATCH_UP_HORIZON)
-        order = np.lexsort((backlogs, -multipliers))  # best multiplier first, then shortest backlog
+        order = np.lexsort((excess, backlogs, -multipliers))  # best multiplier, then shortest backlog, context
         gains = np.cumsum(multipliers[order])  # [J] summed multipliers of the best j + 1
         sizes = np.arange(1, len(order) + 1)
         paid_tokens = np.cumsum(backlogs[order])  # [J] caught up in this step
@@ -111,8 +120,9 @@ class SpeculationPolicy:
         fixed_s = self.costs.catch_up(np.minimum(paid_tokens, 1))
         spread_s = fixed_s + (paid_s - fixed_s) * spread_tokens / np.maximum(paid_tokens, 1)
         accept = self.accept_lengths()  # [S, 1]
+        spec_excess = np.cumsum(excess[order])  # [J] of the best j + 1
         passes = self.costs.speculative_passes(self._nodes, self._topk, self._steps, sizes, load.decoding - sizes,
-                                               accept)  # [S, J]
+                                               accept, spec_excess, total_excess - spec_excess)  # [S, J]
         rates = (load.decoding + (accept - 1) * gains) / (self.costs.correction(passes, sizes) + spread_s)
         best_j = rates.argmax(axis=1)
         best_rates = rates[np.arange(len(self.shapes)), best_j]

@@ -52,11 +52,15 @@ class DraftTree:
                 kids[parent].append(node)
         return kids
 
-
-def tree_size(num_steps: int, topk: int, num_draft_tokens: int) -> int:
-    """Nodes actually verified: no more than the pool can supply, root included."""
-    pool = topk + (num_steps - 1) * topk * topk
-    return min(num_draft_tokens - 1, pool) + 1
+    def trials(self, row: int, children: list[list[int]], path: list[int]) -> list[tuple[int, int, bool]]:
+        """(depth, rank, hit) for every child of every node the acceptance walk of request
+        `row` visited: what the adaptive acceptance table learns from."""
+        depths, ranks = self.depths[row].tolist(), self.ranks[row].tolist()
+        trials = []
+        for visited, following in zip([0] + path, path + [None]):
+            for child in children[visited]:
+                trials.append((int(depths[child]), ranks[child], child == following))
+        return trials
 
 
 class TreeBuilder:
@@ -132,3 +136,13 @@ class TreeBuilder:
 def _stable_best(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the `count` highest scores per row; ties go to the lower index."""
     return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
+
+
+def scratch_mask(root: int, ancestry: torch.Tensor, k: int) -> torch.Tensor:
+    """[k, root + depth*k] for one request's frontier: the committed prefix, plus the
+    scratch slot of every ancestor (and itself) at each depth. ancestry: [k, depth]."""
+    depth = ancestry.shape[1]
+    scratch = torch.zeros(k, depth * k, dtype=torch.bool)
+    columns = ancestry + torch.arange(depth) * k
+    scratch[torch.arange(k)[:, None], columns] = True
+    return torch.cat([torch.ones(k, root, dtype=torch.bool), scratch], dim=1)

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from eaglesrv.kernels.attention.base import (
-    AttentionBackend, AttentionMetadata, SequenceSpan, check_page_tables, checked_mask, first_rows, new_token_slots,
+    AttentionBackend,
+    AttentionMetadata,
+    SequenceSpan,
+    check_page_tables,
+    checked_mask,
+    first_rows,
+    new_token_slots,
 )
 from eaglesrv.kernels.attention.cpu_build import load_cpu_attention
 from eaglesrv.kernels.attention.torch_ref import SpanGroup, attend_groups, plan_groups, store_new_kv

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from eaglesrv.kernels.attention.base import (
-    AttentionBackend, AttentionMetadata, SequenceSpan, check_page_tables, checked_mask, first_rows, new_token_slots,
+    AttentionBackend,
+    AttentionMetadata,
+    SequenceSpan,
+    check_page_tables,
+    checked_mask,
+    first_rows,
+    new_token_slots,
 )
 
 

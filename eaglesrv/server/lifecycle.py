@@ -20,8 +20,8 @@ from typing import Callable
 import uvicorn
 
 from eaglesrv.configs import EngineConfig, ServerConfig
+from eaglesrv.engine.client import EngineClient, EngineStartupError
 from eaglesrv.server.app import build_app
-from eaglesrv.server.engine_client import EngineClient, EngineStartupError
 from eaglesrv.server.state import ServerState
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """The engine process: load the model, then step the engine and trade messages with the
-API process over two one-way pipes (see engine_protocol for the messages).
+API process over two one-way pipes (see protocol.py for the messages; client.py is the
+API process's side).
 
 The loop never waits on the API process while it has work: between two steps it takes
 whatever messages have arrived (without blocking), then runs the next step. With no work
@@ -21,7 +22,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from eaglesrv.configs import EngineConfig
-from eaglesrv.server import engine_protocol as msg
+from eaglesrv.engine import protocol as msg
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(message.prompt_token_ids, message.params, message.request_id)
             except ValueError as exc:  # too long, empty, duplicate id: the client's fault
-                self._outbox.send(msg.RequestRejected(message.request_id, str(exc)))
+                self._outbox.send(msg.AddRequestFailed(message.request_id, str(exc)))
         elif isinstance(message, msg.AbortRequest):
             self.engine.abort(message.request_id)
         elif isinstance(message, msg.StatsQuery):

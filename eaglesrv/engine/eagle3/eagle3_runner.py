@@ -19,9 +19,9 @@ Slots of a decoding request at root position n (pages reserved by the scheduler)
     draft:  n + (f-1)*topk + j = frontier node j of draft pass f (scratch, overwritten
             by step 5 of the same step)
 
-Static (the default): every step uses the configured tree for every request that may
-speculate. Adaptive (`adaptive` given): each step's shape and the requests that use it come
-from the policy (adaptive/policy.py). A request that does not speculate skips steps 1 and
+Adaptive (`adaptive` given, the default): each step's shape and the requests that use it
+come from the policy (adaptive/policy.py). Static (--disable-speculative-adaptive): every
+step uses the configured tree for every request that may speculate. A request that does not speculate skips steps 1 and
 5: its features wait in the backlog, and one draft extend over them (step 0, catch-up)
 precedes its next tree, so the draft sees every token exactly as in the static mode.
 """
@@ -30,37 +30,30 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from eaglesrv.configs import SpeculativeConfig
-from eaglesrv.engine.adaptive.backlog import HeldStep
+from eaglesrv.engine.adaptive.backlog import Backlog, HeldStep
 from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.adaptive.policy import StepLoad
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
+from eaglesrv.engine.eagle3.request_state import RootState, SpecRequestState
 from eaglesrv.engine.eagle3.stats import SpecStats
-from eaglesrv.engine.eagle3.shape import TreeShape
-from eaglesrv.engine.eagle3.tree import DraftTree, TreeBuilder
+from eaglesrv.engine.eagle3.tree import DraftTree, TreeBuilder, scratch_mask
 from eaglesrv.engine.eagle3.verify import accept_greedy, accept_sampling
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
-from eaglesrv.engine.model_runner import sampling_batch
-from eaglesrv.engine.sampler import compute_logprobs, processed_probs, request_uniforms, sample
+from eaglesrv.engine.sampler import SamplingBatch, compute_logprobs, processed_probs, request_uniforms, sample
+from eaglesrv.engine.step_runner import StepRunner
+from eaglesrv.engine.tree_shape import TreeShape
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
 from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, SequenceWork
 
 
-@dataclass
-class RootState:
-    """The draft's output at the last committed position, kept between steps."""
-
-    position: int  # root position n: valid only while the request's num_cached == n
-    hidden: torch.Tensor  # [H] pre-norm draft output, the features for the first draft pass
-    logprobs: torch.Tensor  # [draft_vocab] draft log-probabilities of the root's children
-
-
-class Eagle3Runner:
+class Eagle3Runner(StepRunner):
     def __init__(
         self,
         target: LlamaForCausalLM,
@@ -70,38 +63,73 @@ class Eagle3Runner:
         attention: AttentionBackend,
         device: torch.device,
         spec: SpeculativeConfig,
+        adaptive: AdaptiveSpeculation | None = None,
     ) -> None:
-        self.target, self.draft = target, draft
-        self.target_kv, self.draft_kv = target_kv, draft_kv
-        self.attention = attention
-        self.device = device
+        super().__init__(target, target_kv, attention, device)
+        self.draft, self.draft_kv = draft, draft_kv
         self.spec = spec
         self.capture_layers = draft.config.capture_layers(target.arch.num_layers)
         self.largest = TreeShape.from_config(spec)  # the configured tree: the most any step verifies
         self.num_nodes = self.largest.nodes
         self.scratch_slots = (spec.num_steps - 1) * spec.eagle_topk
-        self.roots: dict[str, RootState] = {}  # owned here; the engine calls forget() on finish
+        self.requests: dict[str, SpecRequestState] = {}  # one record per request, dropped in release()
         self.stats = SpecStats(spec.num_steps)
-        self.adaptive: AdaptiveSpeculation | None = None  # set by the engine for --speculative-adaptive
+        self.adaptive = adaptive  # None: every step uses the configured tree (static)
 
     @property
-    def planned_decode_cost(self) -> int:
+    def mode(self) -> str:
+        return "adaptive" if self.adaptive is not None else "static"
+
+    @property
+    def target_kv(self) -> KVPool:
+        return self.kv
+
+    # ---- what the scheduler asks --------------------------------------------------------
+    @property
+    def decode_lookahead(self) -> int:
+        """Slots a decoding request needs past its root (tree nodes, draft scratch)."""
+        return max(self.num_nodes, self.scratch_slots) - 1
+
+    @property
+    def decode_cost(self) -> int:
         """Rows a decoding request is likely to take next step (the scheduler's token budget)."""
         if self.adaptive is None:
             return self.num_nodes
         last = self.adaptive.last
         return last.shape.nodes if last is not None and last.shape is not None else 1
 
-    @property
-    def lookahead(self) -> int:
-        """Slots a decoding request needs past its root (tree nodes, draft scratch)."""
-        return max(self.num_nodes, self.scratch_slots) - 1
-
-    def forget(self, request_ids: list[str]) -> None:
+    def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
-            self.roots.pop(request_id, None)
-            if self.adaptive is not None:
-                self.adaptive.forget(request_id)
+            self.requests.pop(request_id, None)
+
+    def spec_stats(self) -> dict:
+        snapshot = {**self.stats.snapshot(), "spec_adaptive": self.adaptive is not None}
+        if self.adaptive is not None:
+            snapshot.update(self.adaptive.snapshot())
+        return snapshot
+
+    def after_warmup(self) -> None:
+        self.stats = SpecStats(self.spec.num_steps)  # count real traffic only
+        if self.adaptive is not None:
+            self.adaptive = self.adaptive.restart()
+
+    def draft_pass(
+        self,
+        token_ids: torch.Tensor,  # [num_tokens]
+        features: torch.Tensor,  # [num_tokens, 3 * target hidden] or [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens]
+        spans: list[SequenceSpan],
+        logit_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over the draft's KV: (logits, pre-norm output), as Eagle3DraftModel."""
+        ctx = ForwardContext(self.attention, self.attention.plan(spans), self.draft_kv)
+        return self.draft(self._tensor(token_ids), features, self._tensor(positions), ctx, logit_rows=logit_rows)
+
+    def _record(self, request_id: str) -> SpecRequestState:
+        record = self.requests.get(request_id)
+        if record is None:
+            record = self.requests[request_id] = SpecRequestState()
+        return record
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
@@ -135,8 +163,7 @@ class Eagle3Runner:
                 token_ids.extend(seq.token_ids)
                 positions.extend(range(seq.num_cached, seq.num_cached + len(seq.token_ids)))
                 spans.append(SequenceSpan(seq.page_table, seq.num_cached, len(seq.token_ids)))
-        ctx = ForwardContext(self.attention, self.attention.plan(spans), self.target_kv)
-        hidden, features = self.target(self._tensor(token_ids), self._tensor(positions), ctx, self.capture_layers)
+        hidden, features = self.target_pass(token_ids, positions, spans, self.capture_layers)
 
         # 3. accept / sample
         results: dict[int, SequenceResult] = {}
@@ -145,7 +172,7 @@ class Eagle3Runner:
         if plain:
             last = [offsets[i] + len(seqs[i].token_ids) - 1 for i in plain]
             logits = self.target.compute_logits(hidden[self._tensor(last)])
-            sampled = sample(logits, sampling_batch([seqs[i] for i in plain]))
+            sampled = sample(logits, SamplingBatch.of([seqs[i] for i in plain]))
             for i, token, logprobs in zip(plain, sampled.token_ids, sampled.logprobs):
                 results[i] = SequenceResult.single(seqs[i], token, logprobs)
         if tree_row:
@@ -160,57 +187,56 @@ class Eagle3Runner:
     def _decide(self, seqs: list[SequenceWork], eligible: list[int]):
         decoding = sum(1 for seq in seqs if seq.sample and len(seq.token_ids) == 1)
         other_rows = sum(len(seq.token_ids) for seq in seqs) - decoding
-        ids = [seqs[i].request_id for i in eligible]
-        repeated = self.adaptive.repeat_plain(decoding, other_rows, ids)
+        records = [self._record(seqs[i].request_id) for i in eligible]
+        acceptance = [record.acceptance for record in records]
+        repeated = self.adaptive.repeat_plain(decoding, other_rows, acceptance)
         if repeated is not None:
             return repeated
-        multipliers, backlogs, remaining = [], [], []
-        multiplier, backlog_length = self.adaptive.acceptance.multiplier, self.adaptive.backlog.length
-        for i, rid in zip(eligible, ids):
-            multipliers.append(multiplier(rid))
-            backlogs.append(backlog_length(rid))
-            remaining.append(_remaining_tokens(seqs[i]))
-        load = StepLoad(decoding, multipliers, other_rows, backlogs=backlogs, remaining=remaining)
-        return self.adaptive.decide(load, ids)
+        may_speculate = set(eligible)
+        load = StepLoad(
+            decoding, [a.multiplier for a in acceptance], other_rows,
+            backlogs=[len(r.backlog.tokens) if r.backlog is not None else 0 for r in records],
+            remaining=[_remaining_tokens(seqs[i]) for i in eligible],
+            contexts=[seqs[i].num_cached for i in eligible],
+            other_context=sum(seq.num_cached for i, seq in enumerate(seqs)
+                              if seq.sample and len(seq.token_ids) == 1 and i not in may_speculate),
+        )
+        return self.adaptive.decide(load, acceptance)
 
     # ---- 1. drafting ------------------------------------------------------------------
     def _may_speculate(self, seq: SequenceWork) -> bool:
+        record = self.requests.get(seq.request_id)
         return (
             seq.sample
             and len(seq.token_ids) == 1
-            and self._draft_is_current(seq)
+            and record is not None and record.draft_is_current(seq.num_cached)
             and not seq.params.uses_penalties  # penalties would change along a path
             and not seq.suppressed_token_ids  # so would min_tokens' suppression
-            and seq.lookahead >= self.lookahead  # the scheduler found slots for the largest tree
+            and seq.lookahead >= self.decode_lookahead  # the scheduler found slots for the largest tree
         )
-
-    def _draft_is_current(self, seq: SequenceWork) -> bool:
-        """The draft has seen every committed token: its root state sits at the root, or
-        (adaptive) the backlog holds exactly the rest."""
-        if self.adaptive is not None:
-            end = self.adaptive.backlog.end(seq.request_id)
-            if end is not None:
-                return end == seq.num_cached
-        state = self.roots.get(seq.request_id)
-        return state is not None and state.position == seq.num_cached
 
     def _catch_up(self, seqs: list[SequenceWork]) -> None:
         """One draft extend over the backlog of every request about to draft after a spell
         without speculation: afterwards its root state sits at its root."""
         entries = []
         for seq in seqs:
-            held = self.adaptive.backlog.take(seq.request_id, seq.page_table)
-            if held is not None:
-                start, tokens, features = held
-                entries.append(_ExtendEntry(seq, start, tokens, features, keeps_root=True))
+            record = self.requests[seq.request_id]
+            if record.backlog is not None:
+                entries.append(self._drain(seq, record, keeps_root=True))
         if entries:
             started = time.perf_counter()
             self._draft_extend(entries)
             self.adaptive.costs.observe_catch_up(sum(len(e.tokens) for e in entries), time.perf_counter() - started)
 
+    def _drain(self, seq: SequenceWork, record: SpecRequestState, keeps_root: bool) -> "_ExtendEntry":
+        """The request's backlog as one draft-extend entry; the record holds none after."""
+        held, record.backlog = record.backlog, None
+        features = self.adaptive.features.read(held, seq.page_table)
+        return _ExtendEntry(seq, held.start, held.tokens, features, keeps_root)
+
     def _draft(self, shape: TreeShape, seqs: list[SequenceWork]) -> DraftTree:
         k = shape.topk
-        states = [self.roots[seq.request_id] for seq in seqs]
+        states = [self.requests[seq.request_id].root for seq in seqs]
         roots = [seq.num_cached for seq in seqs]
         builder = TreeBuilder(self._tensor([seq.token_ids[0] for seq in seqs]).cpu(), k, shape.nodes)
         frontier = builder.expand_root(torch.stack([s.logprobs for s in states]).cpu())
@@ -218,13 +244,12 @@ class Eagle3Runner:
         ancestry = torch.arange(k).expand(len(seqs), k).unsqueeze(-1)  # [B, k, depth] scratch slot per depth
         for depth in range(1, shape.steps):
             spans = [
-                SequenceSpan(seq.page_table, n + (depth - 1) * k, k, _scratch_mask(n, ancestry[b], k))
+                SequenceSpan(seq.page_table, n + (depth - 1) * k, k, scratch_mask(n, ancestry[b], k))
                 for b, (seq, n) in enumerate(zip(seqs, roots))
             ]
-            ctx = ForwardContext(self.attention, self.attention.plan(spans), self.draft_kv)
             positions = torch.tensor(roots).repeat_interleave(k) + depth - 1
             input_ids = self.draft.draft_to_target[frontier.to(self.device)].reshape(-1)
-            logits, out = self.draft(input_ids, features.reshape(-1, features.shape[-1]), positions.to(self.device), ctx)
+            logits, out = self.draft_pass(input_ids, features.reshape(-1, features.shape[-1]), positions, spans)
             self.stats.draft_passes += 1
             logprobs = torch.log_softmax(logits, dim=-1).view(len(seqs), k, -1).cpu()
             frontier, parent_slot = builder.expand(logprobs)
@@ -246,7 +271,7 @@ class Eagle3Runner:
         if sampling:
             flat = logits[sampling].reshape(len(sampling) * n, -1)
             expanded = [seqs[order[b]] for b in sampling for _ in range(n)]
-            probs = dict(zip(sampling, processed_probs(flat, sampling_batch(expanded)).view(len(sampling), n, -1).cpu()))
+            probs = dict(zip(sampling, processed_probs(flat, SamplingBatch.of(expanded)).view(len(sampling), n, -1).cpu()))
         node_tokens = trees.tokens.tolist()
         for b, i in enumerate(order):
             seq = seqs[i]
@@ -260,7 +285,8 @@ class Eagle3Runner:
                 acceptance = accept_greedy(node_tokens[b], children, argmax[b])
             self.stats.record(len(acceptance.path))
             if self.adaptive is not None:
-                self.adaptive.acceptance.record(seq.request_id, shape, _trials(trees, b, children, acceptance.path))
+                self.adaptive.acceptance.record(shape, trees.trials(b, children, acceptance.path),
+                                                self.requests[seq.request_id].acceptance)
             tokens = acceptance.tokens(node_tokens[b])
             chooser = [0] + acceptance.path  # node whose logits chose each emitted token
             logprobs = compute_logprobs(logits[b][self._tensor(chooser)], tokens, [seq.params] * len(tokens))
@@ -303,16 +329,18 @@ class Eagle3Runner:
             self._draft_extend(entries, features)
 
     def _hold(self, held, features) -> list["_ExtendEntry"]:
-        """Put non-speculating sequences' features in the backlog; returns extends for
-        backlogs that grew past the limit (drained now, to keep catch-ups bounded)."""
-        backlog = self.adaptive.backlog
-        steps = [HeldStep(seq.request_id, seq.page_table, seq.num_cached, committed) for seq, committed, _ in held]
-        over = backlog.hold(steps, features[self._tensor([row for _, _, rows in held for row in rows])])
+        """Put non-speculating sequences' features in the pool and their positions in their
+        backlogs; returns extends for backlogs that grew past the limit (drained now, to
+        keep catch-ups bounded)."""
+        pool = self.adaptive.features
+        steps = [HeldStep(seq.page_table, seq.num_cached, committed) for seq, committed, _ in held]
+        pool.write(steps, features[self._tensor([row for _, _, rows in held for row in rows])])
         drained = []
-        for seq, _, _ in held:
-            if seq.request_id in over:
-                start, tokens, piece = backlog.take(seq.request_id, seq.page_table)
-                drained.append(_ExtendEntry(seq, start, tokens, piece, keeps_root=seq.sample))
+        for (seq, _, _), step in zip(held, steps):
+            record = self._record(seq.request_id)
+            record.backlog = Backlog.grow(record.backlog, step)
+            if pool.over_limit(record.backlog):
+                drained.append(self._drain(seq, record, keeps_root=seq.sample))
         return drained
 
     def _draft_extend(self, entries: list["_ExtendEntry"], step_features: torch.Tensor | None = None) -> None:
@@ -326,21 +354,17 @@ class Eagle3Runner:
             spans.append(SequenceSpan(entry.seq.page_table, entry.start, len(entry.tokens)))
             if entry.keeps_root:
                 finals.append((entry.seq.request_id, len(token_ids) - 1, entry.start + len(entry.tokens)))
-        ctx = ForwardContext(self.attention, self.attention.plan(spans), self.draft_kv)
         if all(isinstance(entry.features, list) for entry in entries):  # one gather for the whole step
             features = step_features[self._tensor([row for entry in entries for row in entry.features])]
         else:
             features = torch.cat([step_features[self._tensor(entry.features)] if isinstance(entry.features, list)
                                   else entry.features for entry in entries])
         last = self._tensor([row for _, row, _ in finals])
-        logits, out = self.draft(self._tensor(token_ids), features, self._tensor(positions), ctx, logit_rows=last)
+        logits, out = self.draft_pass(token_ids, features, positions, spans, logit_rows=last)
         if finals:
             logprobs = torch.log_softmax(logits, dim=-1)
             for (request_id, _, position), lp, h in zip(finals, logprobs, out[last]):
-                self.roots[request_id] = RootState(position, h, lp)
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+                self._record(request_id).root = RootState(position, h, lp)
 
 
 @dataclass
@@ -352,26 +376,6 @@ class _ExtendEntry:
     tokens: list[int]
     features: list[int] | torch.Tensor  # rows of this step's target features, or held features
     keeps_root: bool  # store the draft's output at the last token as the next root state
-
-
-def _trials(trees: DraftTree, row: int, children: list[list[int]], path: list[int]) -> list[tuple[int, int, bool]]:
-    """(depth, rank, hit) for every child of every node the acceptance walk visited."""
-    depths, ranks = trees.depths[row].tolist(), trees.ranks[row].tolist()
-    trials = []
-    for visited, following in zip([0] + path, path + [None]):
-        for child in children[visited]:
-            trials.append((int(depths[child]), ranks[child], child == following))
-    return trials
-
-
-def _scratch_mask(root: int, ancestry: torch.Tensor, k: int) -> torch.Tensor:
-    """[k, root + depth*k] for one request's frontier: the committed prefix, plus the
-    scratch slot of every ancestor (and itself) at each depth. ancestry: [k, depth]."""
-    depth = ancestry.shape[1]
-    scratch = torch.zeros(k, depth * k, dtype=torch.bool)
-    columns = ancestry + torch.arange(depth) * k
-    scratch[torch.arange(k)[:, None], columns] = True
-    return torch.cat([torch.ones(k, root, dtype=torch.bool), scratch], dim=1)
 
 
 def _remaining_tokens(seq: SequenceWork) -> int:

@@ -9,7 +9,7 @@ detokenizes, so no text and no torch object crosses the pipe.
     Shutdown                   ------>  leave the loop, exit 0
                                <------  EngineReady (once) or StartupFailed (then exit 1)
                                <------  StepOutputs (one per step with outputs)
-                               <------  RequestRejected (add_request raised ValueError)
+                               <------  AddRequestFailed (add_request raised ValueError)
                                <------  StatsReply
                                <------  EngineFailed (the loop crashed; exit 1)
 """
@@ -99,7 +99,7 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
-class RequestRejected:
+class AddRequestFailed:
     request_id: str
     message: str
 

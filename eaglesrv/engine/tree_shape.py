@@ -1,11 +1,20 @@
-"""The shape of one speculative step, and the shapes an adaptive step may choose from."""
+"""The shape of one speculative step, and the shapes an adaptive step may choose from.
+
+Below both engine/eagle3 (which builds and verifies trees of a shape) and engine/adaptive
+(which chooses a shape per step), so that neither imports the other for it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from eaglesrv.configs import SpeculativeConfig
-from eaglesrv.engine.eagle3.tree import tree_size
+
+
+def tree_size(num_steps: int, topk: int, num_draft_tokens: int) -> int:
+    """Nodes actually verified: no more than the pool can supply, root included."""
+    pool = topk + (num_steps - 1) * topk * topk
+    return min(num_draft_tokens - 1, pool) + 1
 
 
 @dataclass(frozen=True, order=True)

@@ -2,8 +2,11 @@
 
     client = EngineClient.spawn(engine_config, "info")   # inside a running event loop
     info, tokenizer = await client.wait_ready()
-    async with aclosing(client.stream(token_ids, params, request_id)) as outputs:
+    async with aclosing(client.stream(token_ids, params)) as outputs:
         async for out in outputs: ...                     # EngineOutput per step
+
+The client names its requests itself (a counter), so ids never clash on this side; the
+engine's own check (Engine.add_request) is the one place that refuses a duplicate id.
 
 Two threads touch the pipes, so the event loop never blocks on them: a reader blocks on
 the engine's pipe and hands each message to the event loop, and a writer sends what the
@@ -25,9 +28,10 @@ import threading
 from typing import AsyncIterator, Callable
 
 from eaglesrv.configs import EngineConfig
+from eaglesrv.engine import protocol as msg
+from eaglesrv.engine.process import engine_process_main
 from eaglesrv.sampling_params import SamplingParams
-from eaglesrv.server import engine_protocol as msg
-from eaglesrv.server.engine_process import engine_process_main
+from eaglesrv.scheduler import RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,6 @@ class EngineDeadError(RuntimeError):
     """The engine process has stopped; no more requests can be served."""
 
 
-class RequestRejectedError(ValueError):
-    """The engine refused the request (e.g. it can never fit); the message says why."""
-
-
 class EngineClient:
     def __init__(self, process, to_engine, from_engine, loop: asyncio.AbstractEventLoop) -> None:
         self._process = process
@@ -54,6 +54,7 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count()
+        self._request_ids = itertools.count()
         self._ready: asyncio.Future = loop.create_future()
         self.dead_reason: str | None = None  # set once the engine process is gone
         self.on_death: Callable[[str], None] | None = None  # called once, on the loop thread
@@ -113,17 +114,15 @@ class EngineClient:
         return self._process.exitcode
 
     # ---- requests -----------------------------------------------------------------------
-    async def stream(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[msg.EngineOutput]:
-        """Yield the request's outputs until it finishes; raises RequestRejectedError or EngineDeadError.
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[msg.EngineOutput]:
+        """Yield a new request's outputs until it finishes; raises RequestRejected (the
+        engine refused it: the message says why) or EngineDeadError.
 
         Use it under contextlib.aclosing, so that leaving early aborts at once.
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
-        if request_id in self._streams:
-            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        request_id = str(next(self._request_ids))
         inbox: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = inbox
         finished = False
@@ -140,10 +139,6 @@ class EngineClient:
             self._streams.pop(request_id, None)
             if not finished and self.is_alive:
                 self._send(msg.AbortRequest(request_id))
-
-    def abort(self, request_id: str) -> None:
-        if self.is_alive:
-            self._send(msg.AbortRequest(request_id))
 
     async def stats(self, timeout_s: float = 10.0) -> msg.EngineStats:
         """A fresh scheduler snapshot from the engine process (taken between two steps)."""
@@ -198,10 +193,10 @@ class EngineClient:
                 inbox = self._streams.get(out.request_id)
                 if inbox is not None:
                     inbox.put_nowait(out)
-        elif isinstance(message, msg.RequestRejected):
+        elif isinstance(message, msg.AddRequestFailed):
             inbox = self._streams.get(message.request_id)
             if inbox is not None:
-                inbox.put_nowait(RequestRejectedError(message.message))
+                inbox.put_nowait(RequestRejected(message.message))
         elif isinstance(message, msg.StatsReply):
             future = self._stats_waiters.get(message.query_id)
             if future is not None and not future.done():

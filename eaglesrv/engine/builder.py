@@ -1,0 +1,164 @@
+"""Assemble an engine from its config, in one place: device and dtype, the target model and
+tokenizer, the EAGLE-3 head, the KV pools, the attention backend, the step runner, the
+adaptive policy and the scheduler. Engine.__init__ calls build_engine once.
+
+    config -> device, dtype (placement.py) -> target model, tokenizer (loader/)
+           -> draft head (eagle3/head_io.py)  -> KV pool size (placement.kv_pool_pages)
+           -> KV pools, attention backend     -> runner (PlainRunner | Eagle3Runner)
+           -> scheduler (asks the runner what a decode needs)
+           -> adaptive: cost model measured on pages borrowed from the scheduler
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eaglesrv.configs import EngineConfig
+from eaglesrv.engine.adaptive.backlog import FeaturePool
+from eaglesrv.engine.adaptive.calibrate import load_or_measure
+from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
+from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
+from eaglesrv.engine.eagle3.eagle3_runner import Eagle3Runner
+from eaglesrv.engine.eagle3.head_io import load_draft_head
+from eaglesrv.engine.kv_cache import KVPool
+from eaglesrv.engine.loader import resolve_model
+from eaglesrv.engine.model.arch import ModelArch
+from eaglesrv.engine.model.cpu_layout import wants_input_major
+from eaglesrv.engine.model.llama import LlamaForCausalLM
+from eaglesrv.engine.placement import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
+from eaglesrv.engine.plain_runner import PlainRunner
+from eaglesrv.engine.step_runner import StepRunner
+from eaglesrv.heads import DEFAULT_MODEL_HEAD, default_model_head
+from eaglesrv.kernels.attention import create_attention_backend
+from eaglesrv.scheduler import Scheduler
+from eaglesrv.utils.malloc import keep_freed_memory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    arch: ModelArch
+    model: LlamaForCausalLM
+    tokenizer: Any | None  # a transformers tokenizer, or None (--skip-tokenizer-init, dummy models)
+    eos_token_ids: frozenset[int]
+    max_context_len: int  # positions a sequence may reach: the model's, capped by the draft's table
+    runner: StepRunner
+    scheduler: Scheduler
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    if config.runtime.num_threads:
+        torch.set_num_threads(config.runtime.num_threads)
+    device = resolve_device(config.runtime)
+    if device.type == "cpu":
+        keep_freed_memory()
+    spec = config.speculative
+    draft_path = _draft_path(config) if spec.enabled else None  # before loading, not after
+    source = resolve_model(
+        config.model.model_path, config.model.load_format, config.model.tokenizer_path,
+        config.model.download_dir, config.model.revision,
+    )
+    logger.info("Loading %s", source.description)
+    arch = ModelArch.from_hf_config(source.hf_config)
+    dtype = resolve_dtype(config.model, source.hf_config, device)
+    model = _build_model(arch, dtype, device, source.iter_weights, config.model.random_seed)
+    tokenizer = None
+    if source.load_tokenizer is not None and not config.model.skip_tokenizer_init:
+        tokenizer = source.load_tokenizer()
+    max_context_len = min(config.model.context_length or arch.max_context_len, arch.max_context_len)
+
+    draft = None
+    if spec.enabled:
+        draft = load_draft_head(
+            draft_path, arch, model.model.embed_tokens.weight.detach(), dtype, device,
+            random_seed=config.model.random_seed if draft_path is None else None,
+        )
+        # Every position a request may reach must be in both rotary tables.
+        max_context_len = min(max_context_len, draft.config.arch.max_position_embeddings)
+    adaptive = spec.enabled and spec.adaptive
+    feature_width = draft.fc.in_features if adaptive else 0  # a row of the adaptive feature pool
+    num_pages = kv_pool_pages(
+        config.cache, arch, dtype, device, _weight_bytes(model, draft),
+        extra_bytes_per_token=(KVPool.bytes_per_token(draft.config.arch, dtype) if draft is not None else 0)
+        + FeaturePool.bytes_per_token(feature_width, dtype),
+    )
+    page_size = config.cache.page_size
+    kv = KVPool(arch, num_pages, page_size, dtype, device)
+    attention = create_attention_backend(config.runtime.attention_backend, page_size, device)
+    if draft is None:
+        runner: StepRunner = PlainRunner(model, kv, attention, device)
+    else:
+        draft_kv = KVPool(draft.config.arch, num_pages, page_size, dtype, device)
+        runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec)
+    scheduler = Scheduler(config.scheduler, num_pages, page_size, demand=runner)
+    if adaptive:
+        costs = load_or_measure(runner, scheduler.pages, config.scheduler.max_running_requests)
+        features = FeaturePool.allocate(num_pages, page_size, feature_width, dtype, device)
+        runner.adaptive = AdaptiveSpeculation(runner.largest, costs, features)
+    if draft is not None:
+        logger.info(
+            "EAGLE-3, %s: steps %d, topk %d, %d tree nodes%s; features from target layers %s", runner.mode,
+            spec.num_steps, spec.eagle_topk, runner.num_nodes,
+            " (the largest a step may use)" if adaptive else " (every step)", runner.capture_layers,
+        )
+    logger.info(
+        "Engine ready: %s, %d layers, %s on %s, context %d, attention %s",
+        arch.family, arch.num_layers, dtype, device, max_context_len, attention.name,
+    )
+    return EngineParts(device, dtype, arch, model, tokenizer, _eos_ids(arch, source.generation_config, tokenizer),
+                       max_context_len, runner, scheduler)
+
+
+def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter_weights, seed: int):
+    started = time.monotonic()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary_emb.reset_tables()  # to_empty left the non-persistent tables blank
+    if iter_weights is None:
+        model.init_dummy_weights(seed)
+    else:
+        model.load_weights(iter_weights())
+    if wants_input_major(dtype, device):
+        model.use_input_major_weights()
+    logger.info("Weights ready in %.1f s", time.monotonic() - started)
+    return model.eval()
+
+
+def _weight_bytes(model: LlamaForCausalLM, draft: Eagle3DraftModel | None) -> int:
+    modules = [model] if draft is None else [model, draft]
+    return sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
+
+
+def _draft_path(config: EngineConfig) -> str | None:
+    """The head to load: the one named, the shipped one for the default model, or None
+    (a random head) for dummy speed runs."""
+    if config.speculative.draft_model_path is not None or config.model.load_format == "dummy":
+        return config.speculative.draft_model_path
+    if config.model.model_path is None:
+        head = default_model_head()
+        if head is None:
+            raise EngineSetupError(
+                f"the default model's EAGLE-3 head is missing from this install ({DEFAULT_MODEL_HEAD}); "
+                "reinstall eaglesrv or pass --speculative-draft-model-path"
+            )
+        logger.info("EAGLE-3 head: the shipped one for the default model, %s", head)
+        return str(head)
+    raise EngineSetupError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
+
+
+def _eos_ids(arch: ModelArch, generation_config: dict[str, Any], tokenizer) -> frozenset[int]:
+    ids = set(arch.eos_token_ids)
+    gen_eos = generation_config.get("eos_token_id")
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,38 @@
+"""Plain decoding: one forward over every sequence's new tokens, then sample the next token."""
+
+from __future__ import annotations
+
+import torch
+
+from eaglesrv.engine.sampler import SamplingBatch, sample
+from eaglesrv.engine.step_runner import StepRunner
+from eaglesrv.kernels.attention.base import SequenceSpan
+from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
+
+
+class PlainRunner(StepRunner):
+    mode = "plain"
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        sequences = batch.sequences
+        token_ids: list[int] = []
+        positions: list[int] = []
+        last_rows: list[int] = []  # packed row of each sampling sequence's last token
+        for seq in sequences:
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.num_cached, seq.num_cached + len(seq.token_ids)))
+            if seq.sample:
+                last_rows.append(len(token_ids) - 1)
+        spans = [SequenceSpan(seq.page_table, seq.num_cached, len(seq.token_ids)) for seq in sequences]
+        hidden, _ = self.target_pass(token_ids, positions, spans)
+        if not last_rows:
+            return []
+        logits = self.target.compute_logits(hidden[self._tensor(last_rows)])
+        samplers = [seq for seq in sequences if seq.sample]
+        result = sample(logits, SamplingBatch.of(samplers))
+        return [
+            SequenceResult.single(seq, token, logprobs)
+            for seq, token, logprobs in zip(samplers, result.token_ids, result.logprobs)
+        ]
+

@@ -1,0 +1,95 @@
+"""What the engine runs each step, behind one interface.
+
+    Engine.step():  batch = scheduler.schedule()     (asks the runner's DecodeDemand)
+                    results = runner.run(batch)
+                    scheduler.update(batch, results)  -> finished ids -> runner.release()
+
+A runner turns a ScheduledBatch into one SequenceResult per sampling sequence, and answers
+what a decoding request needs from the next step (decode_lookahead, decode_cost: the
+scheduler's DecodeDemand). Plain decoding (PlainRunner) is the trivial case: no lookahead,
+one row per request, no state between steps. EAGLE-3 (eagle3/eagle3_runner.py) drafts and
+verifies trees and keeps a record per request, which release() drops.
+
+Offline passes that are not serving steps (scoring a prompt, capturing features for
+training, timing passes for the cost model) go through forward_sequences / target_pass on
+pages borrowed from the scheduler's allocator (PageAllocator.borrowed).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Iterable, Sequence
+
+import torch
+
+from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.engine.kv_cache import KVPool
+from eaglesrv.engine.model.llama import LlamaForCausalLM
+from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
+from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
+
+
+class StepRunner(abc.ABC):
+    mode: str = "abstract"  # what /get_server_info and the start-up log call it
+
+    def __init__(self, target: LlamaForCausalLM, kv: KVPool, attention: AttentionBackend,
+                 device: torch.device) -> None:
+        self.target = target
+        self.kv = kv
+        self.attention = attention
+        self.device = device
+
+    # ---- what the scheduler asks (DecodeDemand) ---------------------------------------
+    @property
+    def decode_lookahead(self) -> int:
+        """KV slots past its next token that a decoding request may use in a step."""
+        return 0
+
+    @property
+    def decode_cost(self) -> int:
+        """Rows of the per-step token budget a decoding request is likely to take next step."""
+        return 1
+
+    # ---- one step ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        """Forward the batch; one SequenceResult per sequence with sample=True, in order."""
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Drop what the runner keeps for these requests (they finished or were aborted)."""
+
+    def spec_stats(self) -> dict | None:
+        """Speculation counters for /metrics and /get_server_info; None without speculation."""
+        return None
+
+    def after_warmup(self) -> None:
+        """Forget what the warm-up taught: its dummy prompts say nothing about real traffic."""
+
+    # ---- passes -----------------------------------------------------------------------
+    def target_pass(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,  # [num_tokens]
+        positions: Sequence[int] | torch.Tensor,  # [num_tokens]
+        spans: list[SequenceSpan],
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward over packed tokens: hidden states [num_tokens, H] and, with
+        capture_layers, the captured features [num_tokens, len(capture_layers) * H]."""
+        ctx = ForwardContext(self.attention, self.attention.plan(spans), self.kv)
+        return self.target(self._tensor(token_ids), self._tensor(positions), ctx, capture_layers)
+
+    @torch.inference_mode()
+    def forward_sequences(
+        self, sequences: Sequence[Sequence[int]], page_tables: Sequence[list[int]], capture_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whole sequences from position 0, packed in one pass, on the pages given (borrowed
+        by the caller): hidden states [sum of lengths, H] and the captured features."""
+        spans = [SequenceSpan(list(table), 0, len(tokens)) for table, tokens in zip(page_tables, sequences, strict=True)]
+        token_ids = [token for tokens in sequences for token in tokens]
+        positions = [position for tokens in sequences for position in range(len(tokens))]
+        return self.target_pass(token_ids, positions, spans, capture_layers)
+
+    def _tensor(self, values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(values, torch.Tensor):
+            return values.to(self.device)
+        return torch.tensor(values, dtype=torch.long, device=self.device)
