@@ -46,15 +46,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", default=None, help=f"comma-separated dtypes (default {DEFAULTS['dtypes']})")
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens per batch-1 decode run (default 128)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved batch-1 repeats; median kept (default 3)")
-    p.add_argument("--num-prompts", type=int, default=None, help="ShareGPT prompts for continuous batching (default 64)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="ShareGPT prompts for continuous batching (default 64)")
     p.add_argument("--concurrency", type=int, default=None, help="requests kept in flight (default 32)")
     p.add_argument("--max-output-len", type=int, default=None, help="clip ShareGPT output lengths (default 256)")
     p.add_argument("--max-input-len", type=int, default=1024, help="skip ShareGPT prompts longer than this")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--attention-backend", default="auto", help="eaglesrv attention backend (default auto: the CPU kernel)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="eaglesrv attention backend (default auto: the CPU kernel)")
     p.add_argument("--output-json", default=None, help="write every figure to this JSON file")
     p.add_argument("--skip-transformers", action="store_true", help="measure eaglesrv only")
-    p.add_argument("--smoke", action="store_true", help="tiny fast run for CI: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny fast run for CI: " + ", ".join(f"{k}={v}" for k, v in SMOKE.items()))
     args = p.parse_args(argv)
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:

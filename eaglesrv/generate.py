@@ -52,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = engine.generate(prompts, params)
     elapsed = time.monotonic() - started
     for question, result in zip(questions, results):
-        print(f"\n>>> {question}\n{result.text}\n[{len(result.output_token_ids)} tokens, finish: {result.finish_reason}]")
+        print(f"\n>>> {question}\n{result.text}\n"
+              f"[{len(result.output_token_ids)} tokens, finish: {result.finish_reason}]")
     total = sum(len(r.output_token_ids) for r in results)
     print(f"\n{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)")
     return 0

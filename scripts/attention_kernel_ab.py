@@ -53,7 +53,8 @@ def kernel_alone(kernels: dict, page_size: int = 16) -> None:
             for name, ops in list(kernels.items()) * 2:
                 out = torch.empty_like(q)
                 call = lambda: ops.paged_attention(q, k_cache, v_cache, out, plan.rows, plan.row_pages,  # noqa: E731
-                                                   plan.row_num_keys, plan.row_mask_offset, plan.masks, page_size, 0.125)
+                                                   plan.row_num_keys, plan.row_mask_offset, plan.masks, page_size,
+                                                   0.125)
                 call()
                 repeats = 200 if sequences == 1 else 20
                 started = time.perf_counter()
@@ -93,7 +94,8 @@ def decode_steps(kernels: dict, args: argparse.Namespace) -> None:
                 started_requests.update(out.request_id for out in outputs)
     for tree in dict.fromkeys(tree for _, tree in engines):
         rate = {name: totals[(name, tree)][0] / totals[(name, tree)][1] for name in kernels}
-        print(f"{str(tree or 'plain'):>10} at {args.batch}: " + "  ".join(f"{n} {r:6.1f} tok/s" for n, r in rate.items())
+        print(f"{str(tree or 'plain'):>10} at {args.batch}: "
+              + "  ".join(f"{n} {r:6.1f} tok/s" for n, r in rate.items())
               + f"  current/baseline {rate['current'] / rate['baseline']:.3f}x")
 
 

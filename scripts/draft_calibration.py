@@ -72,9 +72,11 @@ def main() -> None:
         print(f"step {step} ({roots} roots on the greedy path)")
         for rank in range(args.ranks):
             total = count[step, rank].sum()
-            bins = " ".join(f"{prob_sum[step, rank, b] / count[step, rank, b]:.2f}->{hits[step, rank, b] / count[step, rank, b]:.2f}"
+            bins = " ".join(f"{prob_sum[step, rank, b] / count[step, rank, b]:.2f}->"
+                            f"{hits[step, rank, b] / count[step, rank, b]:.2f}"
                             for b in range(shape[2]) if count[step, rank, b] >= 50)
-            print(f"  rank {rank}: mean {prob_sum[step, rank].sum() / total:.3f} -> {hits[step, rank].sum() / total:.3f}   {bins}")
+            print(f"  rank {rank}: mean {prob_sum[step, rank].sum() / total:.3f} -> "
+                  f"{hits[step, rank].sum() / total:.3f}   {bins}")
 
 
 if __name__ == "__main__":

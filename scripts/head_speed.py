@@ -41,7 +41,8 @@ def main() -> None:
     print(f"{'head':>12} {'tree':>10} {'tok/s':>7} {'vs plain':>9} {'accept length':>14}")
     for (name, tree), (tokens, seconds) in totals.items():
         accept = f"{engines[(name, tree)].spec_stats['avg_spec_accept_length']:.3f}" if tree else "-"
-        print(f"{name:>12} {str(tree or '-'):>10} {tokens / seconds:7.1f} {tokens / seconds / plain_rate:8.3f}x {accept:>14}")
+        print(f"{name:>12} {str(tree or '-'):>10} {tokens / seconds:7.1f} "
+              f"{tokens / seconds / plain_rate:8.3f}x {accept:>14}")
 
 
 if __name__ == "__main__":

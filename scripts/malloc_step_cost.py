@@ -47,7 +47,8 @@ def measure(requests: int, temperature: float, tree: list | None, steps: int, th
                                  speculative=spec, runtime=RuntimeConfig(device="cpu", num_threads=threads)))
     engine.warmup()
     for prompt in heldout_prompts(engine.tokenizer, requests, 1024):
-        engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=(8 if tree else 1) * (steps + 30) + 50,
+        engine.add_request(prompt, SamplingParams(temperature=temperature,
+                                                  max_tokens=(8 if tree else 1) * (steps + 30) + 50,
                                                   ignore_eos=True, seed=0))
     for _ in range(30):  # every prefill done, the heap settled
         engine.step()

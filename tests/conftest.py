@@ -37,7 +37,8 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 
 def engine_config(model_path: str | None, **kwargs) -> EngineConfig:
     """An fp32 CPU engine config; kwargs go to the config group that has the field."""
-    groups = {"model": {"model_path": model_path, "dtype": "float32"}, "cache": {}, "scheduler": {}, "runtime": {"device": "cpu"}}
+    groups = {"model": {"model_path": model_path, "dtype": "float32"}, "cache": {}, "scheduler": {},
+              "runtime": {"device": "cpu"}}
     for key, value in kwargs.items():
         group = next(g for g, cls in _GROUP_CLASSES.items() if key in cls.__dataclass_fields__)
         groups[group][key] = value

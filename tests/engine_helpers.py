@@ -13,7 +13,8 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(
             torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, pad_token_id=0, eos_token_id=None,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         )
     return out[0, len(prompt):].tolist()
 
@@ -23,7 +24,9 @@ def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_staggered(engine: Engine, prompts, params: SamplingParams | list[SamplingParams], every: int = 3) -> list[list[int]]:
+def run_staggered(
+    engine: Engine, prompts, params: SamplingParams | list[SamplingParams], every: int = 3
+) -> list[list[int]]:
     """Submit one prompt every `every` steps while earlier ones decode; outputs in prompt order."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     ids: list[str] = []

@@ -41,7 +41,8 @@ def random_case(spans_shape, seed=0, custom=False, heads=(HEADS, KV_HEADS, DIM),
             mask = torch.rand(new, total, generator=g) > 0.5
             mask[:, 0] = True
         spans.append(SequenceSpan(pages, cached, new, mask))
-        full.append((torch.randn(total, num_kv_heads, dim, generator=g), torch.randn(total, num_kv_heads, dim, generator=g)))
+        full.append((torch.randn(total, num_kv_heads, dim, generator=g),
+                     torch.randn(total, num_kv_heads, dim, generator=g)))
     for span, slots, (k, v) in zip(spans, slot_positions(spans, page_size), full):
         k_cache[slots[: span.num_cached]] = k[: span.num_cached]
         v_cache[slots[: span.num_cached]] = v[: span.num_cached]

@@ -49,7 +49,8 @@ def test_configuration_flags() -> None:
     assert "--speculative-draft-model-path" not in shipped[1].server_args
     assert shipped[1].server_args[:2] == ("--speculative-algorithm", "EAGLE3")
     adaptive = parse_args(["--speculative-draft-model-path", "H", "--adaptive-configs", "5,8,32"])
-    configs = build_configs(adaptive.speculative_draft_model_path, adaptive.eagle_configs, [], adaptive.adaptive_configs)
+    configs = build_configs(
+        adaptive.speculative_draft_model_path, adaptive.eagle_configs, [], adaptive.adaptive_configs)
     assert [c.name for c in configs] == ["plain", "eagle3 (5,8,32)", "adaptive (<=5,8,32)"]
     assert configs[1].server_args == configs[2].server_args + ("--disable-speculative-adaptive",)
     with pytest.raises(ValueError, match="must differ"):

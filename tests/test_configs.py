@@ -65,8 +65,10 @@ def test_configs_are_frozen():
 def test_arch_reads_both_rope_spellings_and_refuses_unknown_models():
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
     old = ModelArch.from_hf_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    new = ModelArch.from_hf_config({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
-    assert old.rope_theta == new.rope_theta == 5e5 and old.rope_scaling["rope_type"] == new.rope_scaling["rope_type"] == "linear"
+    new = ModelArch.from_hf_config(
+        {**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
+    assert (old.rope_theta == new.rope_theta == 5e5
+            and old.rope_scaling["rope_type"] == new.rope_scaling["rope_type"] == "linear")
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
         ModelArch.from_hf_config({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(UnsupportedModel, match="yarn"):

@@ -40,7 +40,8 @@ def hf_model():
 @pytest.fixture(scope="module")
 def prompts(engine):
     return [
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         for q in QUESTIONS
     ]
 

@@ -19,7 +19,8 @@ from eaglesrv.engine.model.arch import ModelArch
 spec = importlib.util.spec_from_file_location("average_heads", Path(__file__).parents[1] / "scripts/average_heads.py")
 average_heads = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(average_heads)
-HeadAverageError, main, parse_weighted = average_heads.HeadAverageError, average_heads.main, average_heads.parse_weighted
+HeadAverageError, main, parse_weighted = (
+    average_heads.HeadAverageError, average_heads.main, average_heads.parse_weighted)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,8 @@ def test_heads_with_different_vocabularies_are_refused(two_heads, tmp_path, caps
     other.mkdir()
     (other / "config.json").write_text((b / "config.json").read_text())
     tensors = load_file(str(b / "model.safetensors"))
-    tensors["d2t"] = torch.roll(tensors["d2t"] + torch.arange(len(tensors["d2t"])), 1) - torch.arange(len(tensors["d2t"]))
+    tensors["d2t"] = (torch.roll(tensors["d2t"] + torch.arange(len(tensors["d2t"])), 1)
+                      - torch.arange(len(tensors["d2t"])))
     save_file(tensors, str(other / "model.safetensors"))
     with pytest.raises(SystemExit):
         main(["--output-dir", str(tmp_path / "avg"), str(a), str(other)])

@@ -58,7 +58,8 @@ def run(engine: Engine, arrivals: list[tuple[int, list[int], SamplingParams]], m
     step = 0
     schedule = engine.scheduler.schedule
     if preempted is not None:
-        engine.scheduler.schedule = lambda: (lambda batch: (preempted.extend(batch.preempted_ids), batch)[1])(schedule())
+        engine.scheduler.schedule = lambda: (
+            lambda batch: (preempted.extend(batch.preempted_ids), batch)[1])(schedule())
     while pending or engine.has_unfinished:
         while pending and pending[0][1][0] <= step:
             index, (_, prompt, params) = pending.pop(0)

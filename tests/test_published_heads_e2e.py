@@ -28,7 +28,8 @@ def plain():
 
 @pytest.fixture(scope="module")
 def prompts(plain):
-    lines = "\n".join(f"Entry {i}: the shipment of {i * 7 % 13} crates left port {i % 5} on day {i}." for i in range(400))
+    lines = "\n".join(
+        f"Entry {i}: the shipment of {i * 7 % 13} crates left port {i % 5} on day {i}." for i in range(400))
     long_prompt = plain.encode(lines)[:LONG]
     assert len(long_prompt) == LONG
     short = plain.encode("<|im_start|>user\nName three rivers in Europe.<|im_end|>\n<|im_start|>assistant\n")

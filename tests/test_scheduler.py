@@ -154,7 +154,8 @@ def test_abort_anywhere_frees_pages():
     assert scheduler.pages.num_free < 64
     assert scheduler.abort("waiting").finish_reason == "abort"
     assert scheduler.abort("running").finish_reason == "abort"
-    assert scheduler.update(batch, [SequenceResult.single(batch.sequences[0], 5)]) == []  # the aborted step's result is void
+    # the aborted step's result is void
+    assert scheduler.update(batch, [SequenceResult.single(batch.sequences[0], 5)]) == []
     assert scheduler.abort("unknown") is None
     assert scheduler.pages.num_free == 64 and not scheduler.has_work
 

@@ -87,8 +87,8 @@ STREAM_TOKENS = 3000  # long enough to still be streaming when SIGTERM comes, ev
 def _stream_completion(base_url: str, results: list, first_token: threading.Event) -> None:
     # The tiny model has no tokenizer, so its chunks carry no text: logprobs make every
     # step send one (naming the token ids), so the first chunk comes with the first token.
-    body = {"prompt": [1, 5, 9, 13, 17], "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
-            "logprobs": 0, "stream_options": {"include_usage": True}}
+    body = {"prompt": [1, 5, 9, 13, 17], "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0,
+            "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}
     reason, usage, done = None, None, False
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
         for line in response.iter_lines():

@@ -214,7 +214,8 @@ def test_every_epoch_runs_to_its_last_batch(tmp_path):
     plans = [len(plan_epoch(lengths, 256, seed=7, epoch=e)) for e in range(4)]
     assert len(set(plans)) > 1  # epochs batch differently: the first one's count is not every one's
     config = TrainConfig(output_dir=str(tmp_path), max_seq_len=8, batch_tokens=256, epochs=4, seed=7)
-    trainer = trainer_module.Trainer(_small_head(), torch.zeros(20, 32), Lengths(lengths), config, "", torch.device("cpu"))
+    trainer = trainer_module.Trainer(
+        _small_head(), torch.zeros(20, 32), Lengths(lengths), config, "", torch.device("cpu"))
     assert trainer.total_steps == sum(plans)
 
 
@@ -313,7 +314,8 @@ def test_self_distillation_trains_on_the_targets_replies(chat_model, sharegpt, t
     monkeypatch.setattr(Engine, "add_request", lambda *a, **k: pytest.fail("regenerated a cached conversation"))
     main(argv)
     argv[argv.index("--num-conversations") + 1] = "3"
-    main(argv + ["--conversation-offset", "2", "--output-dir", str(tmp_path / "slice"), "--work-dir", str(out / "work")])
+    main(argv + ["--conversation-offset", "2", "--output-dir", str(tmp_path / "slice"),
+                 "--work-dir", str(out / "work")])
     assert len(cache.read_text().splitlines()) == 1 + 6
 
 

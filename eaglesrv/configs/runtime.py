@@ -13,7 +13,8 @@ class RuntimeConfig:
     """Where and how forward passes run."""
 
     device: str = "auto"  # auto: cuda when available, else cpu
-    attention_backend: str = "auto"  # auto: flashinfer on CUDA when it imports; cpu on the CPU when it builds; else torch
+    # auto: flashinfer on CUDA when it imports; cpu on the CPU when it builds; else torch
+    attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False
     num_threads: int | None = None  # CPU threads for torch; None keeps torch's default

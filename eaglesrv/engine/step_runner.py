@@ -84,7 +84,9 @@ class StepRunner(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Whole sequences from position 0, packed in one pass, on the pages given (borrowed
         by the caller): hidden states [sum of lengths, H] and the captured features."""
-        spans = [SequenceSpan(list(table), 0, len(tokens)) for table, tokens in zip(page_tables, sequences, strict=True)]
+        spans = [
+            SequenceSpan(list(table), 0, len(tokens)) for table, tokens in zip(page_tables, sequences, strict=True)
+        ]
         token_ids = [token for tokens in sequences for token in tokens]
         positions = [position for tokens in sequences for position in range(len(tokens))]
         return self.target_pass(token_ids, positions, spans, capture_layers)

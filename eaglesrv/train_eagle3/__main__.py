@@ -113,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"replies distilled into {', '.join(metadata['distill_caches'])}; nothing trained")
         return metadata
     final = metadata["final"]
-    stopped = f" of {metadata['planned_steps']} (time limit; --resume continues)" if metadata["stopped_by_time_limit"] else ""
+    stopped = (f" of {metadata['planned_steps']} (time limit; --resume continues)"
+               if metadata["stopped_by_time_limit"] else "")
     loss = "none" if final["loss"] is None else f"{final['loss']:.4f}"
     print(f"head written to {config.output_dir}: {metadata['steps']} steps{stopped}, final loss {loss}, "
           f"step accuracies {[round(a, 3) for a in final['step_acc']]}")

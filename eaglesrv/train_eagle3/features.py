@@ -186,4 +186,6 @@ class FeatureCache:
         shard_id, start, end = self.index[i]
         shard = self.shards[shard_id]
         # "top" is absent from caches written before it was stored; only validation reads it
-        return {name: shard[name][start:end] for name in ("input_ids", "aux", "hidden", "valid", "top") if name in shard}
+        return {
+            name: shard[name][start:end] for name in ("input_ids", "aux", "hidden", "valid", "top") if name in shard
+        }

@@ -247,8 +247,8 @@ class Trainer:
         with (self.state_dir / VALIDATION_NAME).open("a") as f:
             f.write(json.dumps(record) + "\n")
         logger.info("validation at step %d (%d whole epoch(s)): chain accept length %s for 1..%d steps, "
-                    "acceptance by depth %s", record["step"], epochs, record["accept_length_by_steps"], len(record["accept_length_by_steps"]),
-                    record["acceptance_by_depth"])
+                    "acceptance by depth %s", record["step"], epochs, record["accept_length_by_steps"],
+                    len(record["accept_length_by_steps"]), record["acceptance_by_depth"])
 
     def _kept_validations(self, position: Position, resumed: bool) -> list[dict]:
         """On resume, the validations of heads up to the checkpoint's (later ones are redone);

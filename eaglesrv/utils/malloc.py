@@ -52,7 +52,8 @@ def _apply() -> bool:
         return False  # the user's own glibc tuning wins
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        done = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        done = (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     except (OSError, AttributeError, ctypes.ArgumentError):
         return False
     if done:

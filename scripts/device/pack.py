@@ -74,7 +74,8 @@ def gather(staging: Path) -> tuple[bytes, bytes, tuple[str, bytes]]:
     from eaglesrv.engine.loader import default_model_path
 
     wheel = gguf_wheel(staging)
-    return default_model_path().read_bytes(), lzma.compress(training_split_json(), preset=6), (wheel.name, wheel.read_bytes())
+    return (default_model_path().read_bytes(), lzma.compress(training_split_json(), preset=6),
+            (wheel.name, wheel.read_bytes()))
 
 
 def distilled_caches(root: Path) -> dict[str, bytes]:

@@ -126,7 +126,9 @@ def load_transformers_model(model_path: str | None, dtype: str):
     # time a different computation from ours, so insist on dense weights in the asked dtype.
     odd = {p.dtype for p in model.parameters()} - {torch_dtype}
     if odd:
-        raise RuntimeError(f"transformers loaded weights in {odd}, not dense {torch_dtype}; cannot compare like for like")
+        raise RuntimeError(
+            f"transformers loaded weights in {odd}, not dense {torch_dtype}; cannot compare like for like"
+        )
     return model.eval()
 
 

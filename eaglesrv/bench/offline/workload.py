@@ -40,7 +40,9 @@ class BatchResult:
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """Token ids of one user turn in the model's chat template, ready for the reply."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
     # The template already writes any BOS it wants; adding special tokens would double it.
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 

@@ -130,7 +130,8 @@ class Eagle3DraftModel(nn.Module):
         self.fc = nn.Linear(3 * config.target_hidden_size, arch.hidden_size, bias=False)
         self.fc_norm = nn.ModuleList(
             [RMSNorm(config.target_hidden_size, arch.rms_norm_eps) for _ in range(3)]) if config.fc_norm else None
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.midlayer = DraftLayer(arch, self.rotary_emb)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, config.draft_vocab_size, bias=False)

@@ -271,7 +271,8 @@ class Eagle3Runner(StepRunner):
         if sampling:
             flat = logits[sampling].reshape(len(sampling) * n, -1)
             expanded = [seqs[order[b]] for b in sampling for _ in range(n)]
-            probs = dict(zip(sampling, processed_probs(flat, SamplingBatch.of(expanded)).view(len(sampling), n, -1).cpu()))
+            probs = dict(zip(
+                sampling, processed_probs(flat, SamplingBatch.of(expanded)).view(len(sampling), n, -1).cpu()))
         node_tokens = trees.tokens.tolist()
         for b, i in enumerate(order):
             seq = seqs[i]

@@ -48,7 +48,9 @@ def head_config_for(target: ModelArch, draft_vocab_size: int | None = None, **ov
     return config
 
 
-def save_head(model: Eagle3DraftModel, hf_config: dict[str, Any], directory: str | Path, save_embedding: bool = False) -> Path:
+def save_head(
+    model: Eagle3DraftModel, hf_config: dict[str, Any], directory: str | Path, save_embedding: bool = False
+) -> Path:
     """Write `model` as a published-format head (d2t as offsets, t2d as a bool mask)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,8 @@ def _tokenizer_from(tokenizer_path: str, download_dir: str | None) -> Callable[[
         return gguf_tokenizer_loader(path)
     if path.is_dir():
         if not has_tokenizer_files(path):
-            raise ModelLoadError(f"tokenizer path {path} has no tokenizer.json, tokenizer_config.json or tokenizer.model")
+            raise ModelLoadError(
+                f"tokenizer path {path} has no tokenizer.json, tokenizer_config.json or tokenizer.model")
         return hf_tokenizer_loader(path)
     if looks_like_hub_id(tokenizer_path):
         return hf_tokenizer_loader(download_tokenizer(tokenizer_path, download_dir))
