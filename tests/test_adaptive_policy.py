@@ -360,3 +360,21 @@ def test_deep_contexts_price_trees_by_their_rows_times_depth():
     mixed = SpeculationPolicy(TreeShape.of(5, 8, 32), costs, table, hysteresis=0.0).decide(
         StepLoad(4, [1.0] * 4, contexts=[8192, 128, 8192, 128]))
     assert mixed.shape is not None and sorted(mixed.speculating) == [1, 3]
+
+
+def test_speculation_starts_with_a_margin_over_plain_and_stops_below_half_of_it():
+    """A chain predicted 4% better than plain decoding: not worth starting (5% margin), worth
+    keeping (2.5%); predicted about 2% better, it is dropped. Near break-even, trees lost
+    to plain decoding on the catch-ups and the estimates' noise."""
+    costs, table = knee_costs(16, 0.0), fixed_table(np.full((1, 1), 0.02))
+    chain = TreeShape.of(1, 1, 2)
+    policy = SpeculationPolicy(chain, costs, table, hysteresis=0.05)
+    plain_rate = 1 / float(costs.plain_step(1))
+    policy.current = None
+    assert policy.decide(StepLoad(1, [1.0])).shape is None
+    policy.current = chain
+    kept = policy.decide(StepLoad(1, [1.0]))
+    assert kept.shape == chain and 1.025 < kept.tokens_per_s / plain_rate < 1.05
+    policy.current = chain
+    dropped = policy.decide(StepLoad(1, [0.5]))  # this request's drafts land half as often
+    assert dropped.shape is None and policy.current is None
