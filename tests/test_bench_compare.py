@@ -76,6 +76,10 @@ def test_config_source_runs_that_configuration_from_the_given_tree(tmp_path, mon
                        "--config-source", f"before={before}"])
     configs = build_variants(args)
     assert [(c.name, c.source_dir) for c in configs] == [("plain", None), ("before", before), ("after", None)]
+    adaptive = build_variants(parse_args(["--speculative-draft-model-path", "H", "--eagle-configs", "3,1,4",
+                                          "--adaptive-configs", "5,8,32",
+                                          "--config-source", f"adaptive (<=5,8,32)={before}"]))
+    assert adaptive[2].name == "adaptive (<=5,8,32)" and adaptive[2].source_dir == before  # a name with "="
 
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     server = ManagedServer(configs[1].server_args, tmp_path / "before.log", source_dir=configs[1].source_dir)

@@ -104,7 +104,10 @@ def with_sources(variants: Sequence[ServerVariant], specs: Sequence[str]) -> lis
     names = [v.name for v in variants]
     sources: dict[str, Path] = {}
     for spec in specs:
-        name, sep, directory = spec.partition("=")
+        # Names may hold "=" (the adaptive configurations' do: "adaptive (<=5,8,32)"): the
+        # longest name that is a configuration wins.
+        name, sep, directory = next(((n, "=", spec[len(n) + 1:]) for n in sorted(names, key=len, reverse=True)
+                                     if spec.startswith(n + "=")), spec.partition("="))
         name, directory = name.strip(), directory.strip()
         if not sep or not name or not directory:
             raise ValueError(f'--config-source takes "NAME=DIR", not {spec!r}')
