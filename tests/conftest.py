@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,11 @@ from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConf
 # both cores, two busy processes stall each other (tiny ops measured 60x slower), so the
 # test process uses one thread. Speed is measured by the benchmarks, not here.
 torch.set_num_threads(1)
+
+# Without a GPU, Triton kernels run in its interpreter, which must be chosen before any
+# kernel module is imported (eaglesrv/kernels/triton_support.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_LLAMA = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

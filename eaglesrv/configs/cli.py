@@ -77,7 +77,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(("--disable-speculative-adaptive",), "speculative", "adaptive",
          "Verify the tree the flags above describe at every step, as SGLang does.", store_false=True),
     Flag(("--device",), "runtime", "device", "Where to run.", str, DEVICES),
-    Flag(("--attention-backend",), "runtime", "attention_backend", "Attention kernels.", str, ATTENTION_BACKENDS),
+    Flag(("--attention-backend",), "runtime", "attention_backend",
+         "Attention kernels: auto (triton on CUDA, the C++ kernel on the CPU), torch (the reference), cpu, "
+         "triton, flashinfer (not landed yet: falls back to auto).", str, ATTENTION_BACKENDS),
     Flag(("--cuda-graph-max-bs",), "runtime", "cuda_graph_max_bs", "Largest batch captured in a CUDA graph.", int),
     Flag(("--disable-cuda-graph",), "runtime", "disable_cuda_graph", "Run every pass eagerly.", store_true=True),
     Flag(("--num-threads",), "runtime", "num_threads", "CPU threads for torch.", int),

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from eaglesrv.configs.errors import require
 
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,8 @@ class RuntimeConfig:
     """Where and how forward passes run."""
 
     device: str = "auto"  # auto: cuda when available, else cpu
-    # auto: flashinfer on CUDA when it imports; cpu on the CPU when it builds; else torch
+    # auto: triton on CUDA when installed; cpu on the CPU when it builds; else torch.
+    # flashinfer has not landed: it warns and falls back as auto does.
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None
     disable_cuda_graph: bool = False

@@ -38,10 +38,11 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[B, N, N] bool: node i may attend to node j (j is i or an ancestor of i)."""
         batch, n = self.tokens.shape
-        mask = torch.eye(n, dtype=torch.bool).expand(batch, n, n).clone()
+        device = self.parents.device
+        mask = torch.eye(n, dtype=torch.bool, device=device).expand(batch, n, n).clone()
+        rows = torch.arange(batch, device=device)
         for i in range(1, n):  # parents precede children, so row parent(i) is complete
-            parent = self.parents[:, i]
-            mask[:, i] |= mask[torch.arange(batch), parent]
+            mask[:, i] |= mask[rows, self.parents[:, i]]
         return mask
 
     def children(self, row: int) -> list[list[int]]:
@@ -67,12 +68,16 @@ class TreeBuilder:
     """Accumulates the candidate pool one expansion at a time, for B requests at once.
 
     Pool entries are draft-vocabulary ids; `finish` maps them through `draft_to_target`.
+    Every tensor stays on the root tokens' device and nothing is read back to the host, so
+    the same builder serves the CPU and a GPU step (and a graph capture of it).
     """
 
     def __init__(self, root_tokens: torch.Tensor, topk: int, num_draft_tokens: int) -> None:
         self.root_tokens = root_tokens  # [B] target ids
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
+        self.device = root_tokens.device
+        self._child_rank = torch.arange(topk, device=self.device)
         self._scores: list[torch.Tensor] = []  # per expansion [B, m] cumulative log-probs
         self._tokens: list[torch.Tensor] = []  # per expansion [B, m] draft ids
         self._parents: list[torch.Tensor] = []  # per expansion [B, m] pool index of the parent (-1 root)
@@ -84,9 +89,8 @@ class TreeBuilder:
     def expand_root(self, logprobs: torch.Tensor) -> torch.Tensor:
         """logprobs [B, Vd] at the root. Returns the frontier's draft ids [B, topk]."""
         scores, tokens = logprobs.topk(self.topk, dim=-1)
-        parents = torch.full_like(tokens, -1)
-        ranks = torch.arange(self.topk).expand_as(tokens)
-        return self._add(scores, tokens, parents, ranks, keep=torch.arange(self.topk).expand_as(tokens))
+        ranks = self._child_rank.expand_as(tokens)
+        return self._add(scores, tokens, torch.full_like(tokens, -1), ranks, keep=ranks)
 
     def expand(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logprobs [B, topk, Vd] at the frontier nodes. Returns the new frontier's draft ids
@@ -96,30 +100,36 @@ class TreeBuilder:
         scores = (self.frontier_scores.unsqueeze(-1) + child_scores).reshape(batch, -1)
         parents = self.frontier_pool_index.unsqueeze(-1).expand(-1, -1, self.topk).reshape(batch, -1)
         order = _stable_best(scores, self.topk)  # [B, topk] positions within this expansion
-        ranks = torch.arange(self.topk).repeat(self.topk).expand(batch, -1)
+        ranks = self._child_rank.repeat(self.topk).expand(batch, -1)
         tokens = self._add(scores, child_tokens.reshape(batch, -1), parents, ranks, keep=order)
         return tokens, order // self.topk
 
     def finish(self, draft_to_target: torch.Tensor) -> DraftTree:
+        """The root plus the best num_draft_tokens - 1 pool entries. A chosen node's parent
+        is always chosen (a child never scores above its parent and ties go to the earlier
+        entry), which the tests check rather than a host sync here."""
         scores = torch.cat(self._scores, dim=1)
-        tokens = draft_to_target[torch.cat(self._tokens, dim=1)]
-        parents = torch.cat(self._parents, dim=1)
-        depths = torch.cat([torch.full_like(s, i + 1) for i, s in enumerate(self._scores)], dim=1)
+        pool_tokens = draft_to_target[torch.cat(self._tokens, dim=1)]
+        pool_parents = torch.cat(self._parents, dim=1)
+        pool_depths = torch.cat([torch.full_like(s, i + 1, dtype=torch.long) for i, s in enumerate(self._scores)], 1)
         chosen = _stable_best(scores, min(self.num_draft_tokens - 1, scores.shape[1])).sort(dim=1).values
-        batch = scores.shape[0]
-        # tree index of each pool entry: 0 (root) for -1, else 1 + its rank among the chosen
-        tree_index = torch.zeros(batch, scores.shape[1] + 1, dtype=torch.long)
-        tree_index[torch.arange(batch)[:, None], chosen + 1] = torch.arange(1, chosen.shape[1] + 1)
-        chosen_parents = parents.gather(1, chosen)
-        tree_parents = tree_index.gather(1, chosen_parents + 1)
-        if (chosen_parents >= 0).logical_and(tree_parents == 0).any():
-            raise AssertionError("a chosen draft node's parent was not chosen")
-        column = lambda t, root: torch.cat([root[:, None], t.gather(1, chosen)], dim=1)  # noqa: E731
+        batch, count = chosen.shape
+        # tree index of each pool entry, shifted by one so that the root's -1 maps to column 0
+        tree_index = torch.zeros(batch, scores.shape[1] + 1, dtype=torch.long, device=self.device)
+        tree_index.scatter_(1, chosen + 1, torch.arange(1, count + 1, device=self.device).expand(batch, -1))
+        tree_parents = tree_index.gather(1, pool_parents.gather(1, chosen) + 1)
+
+        def column(pool: torch.Tensor, root_value: torch.Tensor) -> torch.Tensor:
+            return torch.cat([root_value[:, None], pool.gather(1, chosen)], dim=1)
+
+        def constant(value: int) -> torch.Tensor:
+            return torch.full((batch,), value, dtype=torch.long, device=self.device)
+
         return DraftTree(
-            tokens=column(tokens, self.root_tokens.to(tokens.dtype)),
-            parents=torch.cat([torch.full((batch, 1), -1, dtype=torch.long), tree_parents], dim=1),
-            depths=column(depths, torch.zeros(batch, dtype=torch.long)),
-            ranks=column(torch.cat(self._ranks, dim=1), torch.full((batch,), -1, dtype=torch.long)),
+            tokens=column(pool_tokens, self.root_tokens.to(pool_tokens.dtype)),
+            parents=torch.cat([constant(-1)[:, None], tree_parents], dim=1),
+            depths=column(pool_depths, constant(0)),
+            ranks=column(torch.cat(self._ranks, dim=1), constant(-1)),
         )
 
     def _add(self, scores, tokens, parents, ranks, keep) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""The Triton backend: paged attention on CUDA (and, for tests, in Triton's CPU interpreter).
+
+plan() turns the spans into a handful of device tensors with a few vectorized torch ops
+and one host-to-device copy of an int32 buffer (plus one of the custom masks, when any
+span has one):
+
+    int32 buffer  [block_table (num_seqs x max_pages) | num_cached | query_start | mask_offset | new_slots]
+    masks         uint8, every custom mask row-major back to back (mask_offset[b] = its start, -1 = causal)
+
+forward() launches two kernels (triton_kernels.py), each wrapped as a torch custom op so
+that graph capture and torch.compile see one op per launch: store the new K/V at new_slots,
+then attend for every packed query row (decodes, prefill chunks and masked trees together).
+The launch shapes depend only on the tensors' sizes and on two plain values of the plan
+(the longest span, whether any span has a mask), never on tensor contents.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from eaglesrv.kernels.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    SequenceSpan,
+    check_page_tables,
+    checked_mask,
+)
+from eaglesrv.kernels.attention.triton_kernels import (
+    attention_blocks,
+    paged_attention_kernel,
+    store_blocks,
+    store_kv_kernel,
+)
+from eaglesrv.kernels.triton_support import triton_unusable_reason, triton_usable, upcast_loads
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    block_table: torch.Tensor  # [num_seqs, max_pages] int32
+    num_cached: torch.Tensor  # [num_seqs] int32
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+    mask_offset: torch.Tensor  # [num_seqs] int32, -1 = causal
+    masks: torch.Tensor  # [*] uint8 (one unused element when no span has a mask)
+    new_slots: torch.Tensor  # [num_tokens] int32 cache slot of each new token
+    max_new: int  # the most tokens any span adds: picks the query tile
+    has_masks: bool
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, page_size: int, device: torch.device) -> None:
+        if not triton_usable(device):
+            raise ValueError(f"the triton attention backend cannot run: {triton_unusable_reason(device)}")
+        super().__init__(page_size, device)
+
+    def plan(self, spans: list[SequenceSpan]) -> TritonAttentionMetadata:
+        check_page_tables(spans, self.page_size)
+        return plan_metadata(spans, self.page_size, self.device)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float):
+        torch.ops.eaglesrv.triton_store_kv(k, v, k_cache, v_cache, metadata.new_slots)
+        return torch.ops.eaglesrv.triton_paged_attention(
+            q, k_cache, v_cache, metadata.block_table, metadata.num_cached, metadata.query_start,
+            metadata.mask_offset, metadata.masks, self.page_size, scale, metadata.max_new, metadata.has_masks,
+        )
+
+
+def plan_metadata(spans: list[SequenceSpan], page_size: int, device: torch.device) -> TritonAttentionMetadata:
+    num_seqs = len(spans)
+    num_cached = torch.tensor([s.num_cached for s in spans], dtype=torch.int32)
+    num_new = torch.tensor([s.num_new for s in spans], dtype=torch.int32)
+    query_start = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    torch.cumsum(num_new, 0, out=query_start[1:])
+
+    pages = torch.tensor([p for s in spans for p in s.page_table], dtype=torch.int32)
+    num_pages = torch.tensor([len(s.page_table) for s in spans], dtype=torch.long)
+    max_pages = max(1, int(num_pages.max())) if num_seqs else 1
+    block_table = torch.zeros(num_seqs, max_pages, dtype=torch.int32)
+    page_seq = torch.repeat_interleave(torch.arange(num_seqs), num_pages)
+    page_col = torch.arange(len(pages)) - torch.repeat_interleave(num_pages.cumsum(0) - num_pages, num_pages)
+    block_table[page_seq, page_col] = pages
+
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs), num_new.long())
+    position = num_cached[token_seq] + torch.arange(len(token_seq), dtype=torch.int32) - query_start[token_seq]
+    new_slots = block_table[token_seq, (position // page_size).long()] * page_size + position % page_size
+
+    masked = [i for i, s in enumerate(spans) if s.custom_mask is not None]
+    mask_offset = torch.full((num_seqs,), -1, dtype=torch.int32)
+    masks = torch.zeros(1, dtype=torch.uint8)
+    if masked:
+        flat = [checked_mask(spans[i]).reshape(-1) for i in masked]
+        sizes = torch.tensor([m.numel() for m in flat], dtype=torch.int64)
+        if int(sizes.sum()) >= 2**31:
+            raise ValueError("custom masks too large for int32 offsets")
+        mask_offset[masked] = (sizes.cumsum(0) - sizes).to(torch.int32)
+        masks = torch.cat(flat).to(torch.uint8)
+
+    # One copy to the device for every index tensor, then views into it.
+    buffer = torch.cat([block_table.reshape(-1), num_cached, query_start, mask_offset, new_slots.to(torch.int32)])
+    buffer = _to_device(buffer, device)
+    parts = buffer.split([block_table.numel(), num_seqs, num_seqs + 1, num_seqs, len(new_slots)])
+    return TritonAttentionMetadata(
+        block_table=parts[0].view(num_seqs, max_pages), num_cached=parts[1], query_start=parts[2],
+        mask_offset=parts[3], masks=_to_device(masks, device), new_slots=parts[4],
+        max_new=int(num_new.max()) if num_seqs else 0, has_masks=bool(masked),
+    )
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+@torch.library.custom_op("eaglesrv::triton_store_kv", mutates_args=("k_cache", "v_cache"))
+def triton_store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] (negative slots skipped)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_dense(k), _last_dim_dense(v)
+    _check_caches(k_cache, v_cache)
+    block_h, block_d = store_blocks(num_kv_heads, head_dim)
+    store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, UPCAST_LOADS=upcast_loads(),
+    )
+
+
+@triton_store_kv.register_fake
+def _(k, v, k_cache, v_cache, slots) -> None:
+    return None
+
+
+@torch.library.custom_op("eaglesrv::triton_paged_attention", mutates_args=())
+def triton_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    num_cached: torch.Tensor, query_start: torch.Tensor, mask_offset: torch.Tensor, masks: torch.Tensor,
+    page_size: int, scale: float, max_new: int, has_masks: bool,
+) -> torch.Tensor:
+    """[num_tokens, num_heads, head_dim]: every packed query row attended over its sequence's
+    cached keys (see triton_kernels.py for the tiling and the metadata)."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = num_cached.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q = _last_dim_dense(q)
+    _check_caches(k_cache, v_cache)
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    block_m, block_n, block_d, num_warps = attention_blocks(group, max_new, head_dim, k_cache.dtype == torch.float32)
+    num_tiles = num_tokens // (block_m // group) + num_seqs
+    paged_attention_kernel[(num_tiles, num_kv_heads)](
+        q, k_cache, v_cache, out, block_table, num_cached, query_start, mask_offset, masks,
+        num_seqs, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        HEAD_DIM=head_dim, GROUP=group, PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_MASKS=has_masks, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        UPCAST_LOADS=upcast_loads(), num_warps=num_warps,
+    )
+    return out
+
+
+@triton_paged_attention.register_fake
+def _(q, k_cache, v_cache, block_table, num_cached, query_start, mask_offset, masks, page_size, scale, max_new,
+      has_masks) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    # The kernels index both caches with one set of strides and write them in place.
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides and have a dense last dimension")
