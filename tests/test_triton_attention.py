@@ -192,3 +192,32 @@ def test_eagle3_greedy_output_equals_the_torch_backend(tiny_llama_dir, tmp_path)
         outputs[name] = [r.output_token_ids for r in engine.generate(prompts, greedy)]
         assert engine.spec_stats["spec_verifications"] > 0
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_start_up_self_check_keeps_a_correct_backend_and_replaces_a_wrong_one(caplog):
+    from eaglesrv.kernels.attention.self_check import checked_backend
+    from eaglesrv.kernels.attention.triton_paged import TritonAttentionBackend
+
+    class OffByALittle(TritonAttentionBackend):  # a miscompiled kernel: plausible, slightly wrong
+        def forward(self, *args):
+            return super().forward(*args) * 1.01
+
+    class Crashing(TritonAttentionBackend):  # a kernel that fails to compile or launch
+        def forward(self, *args):
+            raise RuntimeError("PTX assembly aborted\nmore lines")
+
+    class NotWriting(TritonAttentionBackend):  # attends correctly but never stores the new K/V
+        def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
+            return super().forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, scale)
+
+    shapes = [(4, 2, 64), (2, 1, 32)]
+    correct = TritonAttentionBackend(4, CPU)
+    assert checked_backend(correct, shapes, torch.float32) is correct
+    for wrong, reason in ((OffByALittle, "differs"), (Crashing, "RuntimeError: PTX"), (NotWriting, "not written")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            replaced = checked_backend(wrong(4, CPU), shapes, torch.float32)
+        assert isinstance(replaced, TorchAttentionBackend) and replaced.page_size == 4
+        assert reason in caplog.text and "more lines" not in caplog.text
+    torch_backend = TorchAttentionBackend(4, CPU)
+    assert checked_backend(torch_backend, shapes, torch.float32) is torch_backend  # the oracle is not checked

@@ -35,6 +35,7 @@ from eaglesrv.engine.plain_runner import PlainRunner
 from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.heads import DEFAULT_MODEL_HEAD, default_model_head
 from eaglesrv.kernels.attention import create_attention_backend
+from eaglesrv.kernels.attention.self_check import checked_backend
 from eaglesrv.scheduler import Scheduler
 from eaglesrv.utils.malloc import keep_freed_memory
 
@@ -93,6 +94,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     page_size = config.cache.page_size
     kv = KVPool(arch, num_pages, page_size, dtype, device)
     attention = create_attention_backend(config.runtime.attention_backend, page_size, device)
+    head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (arch, draft.config.arch if draft else None) if a]
+    attention = checked_backend(attention, head_shapes, dtype)
     if draft is None:
         runner: StepRunner = PlainRunner(model, kv, attention, device)
     else:
