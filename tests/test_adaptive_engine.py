@@ -70,8 +70,8 @@ def test_greedy_equals_plain_while_the_mode_switches_every_step(tiny_llama_dir, 
     assert stats["spec_verifications"] > 0 and stats["spec_steps_plain"] > 0 and stats["spec_steps_speculative"] > 0
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
     assert not engine.runner.requests  # every request's record released on finish
-    pool = engine.runner.adaptive.features.pool  # a row per KV slot, of the draft's input width
-    assert pool.shape == (engine.runner.kv.k.shape[1], engine.runner.draft.fc.in_features)
+    pool = engine.runner.adaptive.features.pool  # a row per KV slot a request can hold, of the draft's input width
+    assert pool.shape == (engine.runner.kv.num_tokens, engine.runner.draft.fc.in_features)
 
 
 def test_greedy_equals_plain_with_the_measured_policy(tiny_llama_dir, head_dir):

@@ -1,8 +1,9 @@
 """GPU checks (`-m gpu`; skipped without CUDA): the Triton kernels against their torch
-references on the device in bf16 and fp16 at serving-like shapes, and greedy output through
-the Triton backend equal to the torch backend, plain and EAGLE-3. The CUDA-graph replay
-check is test_graph_capture.py's `test_cuda_graph_replay_equals_eager`. On a lent GPU
-machine `bash scripts/gpu_check.sh` runs them all.
+references on the device in bf16 and fp16 at serving-like shapes, greedy output through
+the Triton backend equal to the torch backend (plain and EAGLE-3), and plain decoding with
+CUDA graphs equal to without. The mechanism's own replay check is test_graph_capture.py's
+`test_cuda_graph_replay_equals_eager`. On a lent GPU machine `bash scripts/gpu_check.sh`
+runs them all.
 
 The same cases run on the CPU in Triton's interpreter (test_triton_attention.py,
 test_eagle3_device_kernels.py) at small shapes; here they run compiled, where races and
@@ -102,3 +103,22 @@ def test_greedy_output_through_triton_equals_torch(tiny_llama_dir, tmp_path, dty
         (torch_out, _), (triton_out, stats) = (_greedy_outputs(make(name)) for name in ("torch", "triton"))
         assert triton_out == torch_out, mode
         assert mode == "plain" or stats["spec_verifications"] > 0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_decode_graphs_equal_eager_on_cuda(tiny_llama_dir, backend):
+    from engine_helpers import random_prompts, run_staggered
+
+    from eaglesrv.engine.llm_engine import Engine
+    from eaglesrv.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts((1, 5, 17, 40, 300, 3), 256)
+    outputs = {}
+    for graphs in (True, False):
+        engine = Engine(engine_config(tiny_llama_dir, attention_backend=backend, device="cuda", dtype="bfloat16",
+                                      cuda_graph_max_bs=4, disable_cuda_graph=not graphs))
+        outputs[graphs] = run_staggered(engine, prompts, greedy, every=2)
+        if graphs:
+            assert sum(engine.runner.decode_graphs.runner.replays.values()) > 0
+    assert outputs[True] == outputs[False]

@@ -314,6 +314,9 @@ REFUSED = [
     ("randn_like", lambda x: torch.randn_like(x), "random-number op.*aten.randn_like"),
     ("multinomial", lambda x: torch.multinomial(x.abs() + 0.1, 1), "random-number op.*aten.multinomial"),
     ("dropout", lambda x: torch.nn.functional.dropout(x, 0.5, training=True), "random-number op.*bernoulli"),
+    ("attention dropout", lambda x: torch.nn.functional.scaled_dot_product_attention(*[x.view(1, 2, 2)] * 3,
+                                                                                     dropout_p=0.5),
+     "random-number op"),
 ]
 
 
@@ -326,6 +329,7 @@ def test_the_stand_in_refuses_what_a_graph_cannot_hold(name, fn, message):
 
 ALLOWED = [
     ("dropout off", lambda x: torch.nn.functional.dropout(x, 0.5, training=False) * 2),
+    ("attention", lambda x: torch.nn.functional.scaled_dot_product_attention(*[x.view(1, 2, 2)] * 3)),
     ("integer index", lambda x: x[torch.tensor([3, 0])]),
     ("repeat with size", lambda x: torch.repeat_interleave(x[:2], torch.tensor([1, 2]), output_size=3)),
     ("masked_fill", lambda x: x.masked_fill(x > 0, 0.0)),

@@ -44,9 +44,11 @@ def test_seed_command_parses_and_ignored_flags_are_named(caplog):
     assert engine.runtime.cuda_graph_max_bs == 2 and engine.model.dtype == "float16"
     with caplog.at_level(logging.WARNING):
         notices = report_ignored_flags(engine)
-    assert notices == ["CUDA graphs have not landed yet; --cuda-graph-max-bs and --disable-cuda-graph are "
-                       "ignored for now"]
-    assert "CUDA graphs have not landed yet" in caplog.text
+    assert notices == ["CUDA graphs cover plain decoding only so far: with --speculative-algorithm every step runs "
+                       "eagerly, and --cuda-graph-max-bs and --disable-cuda-graph have no effect"]
+    assert "CUDA graphs cover plain decoding only" in caplog.text
+    plain = engine_config_from_args(build_parser().parse_args(["--cuda-graph-max-bs", "8"]))
+    assert report_ignored_flags(plain) == []  # plain decoding captures its graphs
     spec_flags_alone = engine_config_from_args(build_parser().parse_args(["--speculative-num-steps", "3"]))
     assert report_ignored_flags(spec_flags_alone) == [
         "--speculative-* flags are ignored without --speculative-algorithm"

@@ -6,6 +6,7 @@ from eaglesrv.configs.errors import require
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flashinfer")
+DEFAULT_CUDA_GRAPH_MAX_BS = 160
 
 
 @dataclass(frozen=True)
@@ -16,8 +17,11 @@ class RuntimeConfig:
     # auto: triton on CUDA when installed; cpu on the CPU when it builds; else torch.
     # flashinfer has not landed: it warns and falls back as auto does.
     attention_backend: str = "auto"
-    cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, within --max-running-requests
     disable_cuda_graph: bool = False
+    # Graphs on the CPU, through the stand-in with CUDA-graph semantics: slower than eager,
+    # it exists so that tests run graph code without a GPU. Not a command-line flag.
+    graphs_on_cpu: bool = False
     num_threads: int | None = None  # CPU threads for torch; None keeps torch's default
 
     def __post_init__(self) -> None:

@@ -3,8 +3,9 @@ tokenizer, the EAGLE-3 head, the KV pools, the attention backend, the step runne
 adaptive policy and the scheduler. Engine.__init__ calls build_engine once.
 
     config -> device, dtype (placement.py) -> target model, tokenizer (loader/)
-           -> draft head (eagle3/head_io.py)  -> KV pool size (placement.kv_pool_pages)
-           -> KV pools, attention backend     -> runner (PlainRunner | Eagle3Runner)
+           -> draft head (eagle3/head_io.py)  -> attention backend, checked on the device
+           -> KV pool size (placement.kv_pool_pages, less what plain decoding's graphs keep)
+           -> KV pools -> plain decoding's graphs, captured (CUDA) -> runner (PlainRunner | Eagle3Runner)
            -> scheduler (asks the runner what a decode needs)
            -> adaptive: cost model measured on pages borrowed from the scheduler
 """
@@ -19,12 +20,14 @@ from typing import Any
 import torch
 
 from eaglesrv.configs import EngineConfig
+from eaglesrv.configs.runtime import DEFAULT_CUDA_GRAPH_MAX_BS
 from eaglesrv.engine.adaptive.backlog import FeaturePool
 from eaglesrv.engine.adaptive.calibrate import load_or_measure
 from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.eagle3.eagle3_runner import Eagle3Runner
 from eaglesrv.engine.eagle3.head_io import load_draft_head
+from eaglesrv.engine.graphs.decode_step import DecodeGraphs, decode_graph_bytes
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch
@@ -35,6 +38,7 @@ from eaglesrv.engine.plain_runner import PlainRunner
 from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.heads import DEFAULT_MODEL_HEAD, default_model_head
 from eaglesrv.kernels.attention import create_attention_backend
+from eaglesrv.kernels.attention.base import AttentionBackend
 from eaglesrv.kernels.attention.self_check import checked_backend
 from eaglesrv.scheduler import Scheduler
 from eaglesrv.utils.malloc import keep_freed_memory
@@ -86,18 +90,24 @@ def build_engine(config: EngineConfig) -> EngineParts:
         max_context_len = min(max_context_len, draft.config.arch.max_position_embeddings)
     adaptive = spec.enabled and spec.adaptive
     feature_width = draft.fc.in_features if adaptive else 0  # a row of the adaptive feature pool
+    page_size = config.cache.page_size
+    attention = create_attention_backend(config.runtime.attention_backend, page_size, device)
+    head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (arch, draft.config.arch if draft else None) if a]
+    attention = checked_backend(attention, head_shapes, dtype)
+    graph_batch = None if draft is not None else _decode_graph_batch_size(config, device, attention)
+    max_pages = -(-max_context_len // page_size)  # the widest block table a graph takes
     num_pages = kv_pool_pages(
         config.cache, arch, dtype, device, _weight_bytes(model, draft),
         extra_bytes_per_token=(KVPool.bytes_per_token(draft.config.arch, dtype) if draft is not None else 0)
         + FeaturePool.bytes_per_token(feature_width, dtype),
+        reserved_bytes=decode_graph_bytes(arch, dtype, graph_batch, attention, max_pages * page_size)
+        if graph_batch else 0,
     )
-    page_size = config.cache.page_size
     kv = KVPool(arch, num_pages, page_size, dtype, device)
-    attention = create_attention_backend(config.runtime.attention_backend, page_size, device)
-    head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (arch, draft.config.arch if draft else None) if a]
-    attention = checked_backend(attention, head_shapes, dtype)
     if draft is None:
-        runner: StepRunner = PlainRunner(model, kv, attention, device)
+        graphs = None if graph_batch is None else _capture_decode_graphs(model, kv, attention, device, graph_batch,
+                                                                         max_pages)
+        runner: StepRunner = PlainRunner(model, kv, attention, device, graphs)
     else:
         draft_kv = KVPool(draft.config.arch, num_pages, page_size, dtype, device)
         runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec)
@@ -118,6 +128,30 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     return EngineParts(device, dtype, arch, model, tokenizer, _eos_ids(arch, source.generation_config, tokenizer),
                        max_context_len, runner, scheduler)
+
+
+def _decode_graph_batch_size(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> int | None:
+    """The largest batch plain decoding captures a graph for, or None for no graphs: they
+    run on CUDA unless --disable-cuda-graph (on the CPU only for tests, via the stand-in)."""
+    runtime = config.runtime
+    if runtime.disable_cuda_graph or not (device.type == "cuda" or runtime.graphs_on_cpu):
+        return None
+    if not attention.graph_safe_decode:
+        logger.warning("the %s attention backend cannot run in a graph: decoding runs eagerly", attention.name)
+        return None
+    return min(runtime.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, config.scheduler.max_running_requests)
+
+
+def _capture_decode_graphs(model: LlamaForCausalLM, kv: KVPool, attention: AttentionBackend, device: torch.device,
+                           largest: int, max_pages: int) -> DecodeGraphs:
+    graphs = DecodeGraphs(model, kv, attention, device, largest, max_pages)
+    started = time.monotonic()
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    graphs.capture()
+    used = f", {(torch.cuda.memory_reserved(device) - before) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+    logger.info("Captured decode graphs for batch sizes %s (block tables of %d pages) in %.1f s%s",
+                graphs.batch_sizes, max_pages, time.monotonic() - started, used)
+    return graphs
 
 
 def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter_weights, seed: int):

@@ -1,8 +1,11 @@
 """The KV-cache tensors. Page ids are handed out by the scheduler's PageAllocator;
 this class only owns the memory they index.
 
-    k[layer]: [num_pages * page_size, num_kv_heads, head_dim]   (v likewise)
+    k[layer]: [(num_pages + 1) * page_size, num_kv_heads, head_dim]   (v likewise)
     page p holds slots p * page_size .. (p + 1) * page_size - 1
+
+The last page, `padding_page` (= num_pages), is never handed out: the allocator knows
+num_pages pages. A graph's padding rows read and write only it, never a live request's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ class KVPool:
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (arch.num_layers, num_pages * page_size, arch.num_kv_heads, arch.head_dim)
+        self.padding_page = num_pages
+        shape = (arch.num_layers, (num_pages + 1) * page_size, arch.num_kv_heads, arch.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -29,4 +33,5 @@ class KVPool:
 
     @property
     def num_tokens(self) -> int:
+        """Slots on the pages the allocator hands out (the padding page not included)."""
         return self.num_pages * self.page_size

@@ -4,7 +4,7 @@ once at start-up and logged."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -61,6 +61,10 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+# (free, total) bytes of a device's memory now; torch.cuda.mem_get_info on CUDA.
+MemoryProbe = Callable[[torch.device], tuple[int, int]]
+
+
 def kv_pool_pages(
     cache: CacheConfig,
     arch: ModelArch,
@@ -68,37 +72,55 @@ def kv_pool_pages(
     device: torch.device,
     weight_bytes: int,
     extra_bytes_per_token: int = 0,
+    reserved_bytes: int = 0,
+    probe: MemoryProbe | None = None,
 ) -> int:
     """How many pages the KV pool gets, from --max-total-tokens or the memory fraction.
     extra_bytes_per_token: other pools indexed by the same pages (the draft's KV, the
-    adaptive backlog's features)."""
+    adaptive backlog's features). reserved_bytes: what must stay free for later inside the
+    fraction (the graphs' memory pool). probe: the CUDA memory probe (tests pass a fake)."""
     per_token = KVPool.bytes_per_token(arch, dtype) + extra_bytes_per_token
     if cache.max_total_tokens is not None:
         tokens = cache.max_total_tokens
     else:
-        tokens = _tokens_from_memory(cache, per_token, device, weight_bytes)
+        budget, spent = _memory_budget(cache, device, weight_bytes, reserved_bytes, probe or torch.cuda.mem_get_info)
+        tokens = max(0, int(budget // per_token))
+        if tokens < cache.page_size:
+            raise EngineSetupError(
+                f"the KV cache does not fit: {spent}, which leaves room for {tokens} tokens of {per_token} bytes "
+                f"(one page is {cache.page_size}); raise --mem-fraction-static, give --max-total-tokens, or use a "
+                "smaller model or fewer graphs (--cuda-graph-max-bs)"
+            )
     pages = tokens // cache.page_size
-    if pages < 1:
-        raise EngineSetupError(
-            f"no memory left for the KV cache ({tokens} tokens of {per_token} bytes fit); "
-            "raise --mem-fraction-static or give --max-total-tokens"
-        )
     logger.info(
-        "KV cache: %d pages of %d tokens = %d tokens, %.2f GiB (%s)",
+        "KV cache: %d pages of %d tokens = %d tokens (the most the server holds at once), %.2f GiB (%s)%s",
         pages, cache.page_size, pages * cache.page_size, pages * cache.page_size * per_token / 2**30, dtype,
+        f"; {reserved_bytes / 2**30:.2f} GiB kept for graphs" if reserved_bytes and cache.max_total_tokens is None
+        else "",
     )
     return pages
 
 
-def _tokens_from_memory(cache: CacheConfig, per_token: int, device: torch.device, weight_bytes: int) -> int:
+def _memory_budget(cache: CacheConfig, device: torch.device, weight_bytes: int, reserved_bytes: int,
+                   probe: MemoryProbe) -> tuple[float, str]:
+    """Bytes left for the KV pools, and how the fraction was spent (for the error message)."""
+    gib = 2**30
     if device.type == "cuda":
         fraction = cache.mem_fraction_static or CUDA_DEFAULT_MEM_FRACTION
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * fraction - (total - free)  # weights are already resident
+        free, total = probe(device)
+        resident = total - free  # the weights (target and draft) are loaded by now, and whatever else runs there
+        spent = (f"--mem-fraction-static {fraction} allows {total * fraction / gib:.2f} GiB of the GPU's "
+                 f"{total / gib:.2f} GiB; {resident / gib:.2f} GiB are in use (weights and other processes)")
+        budget = total * fraction - resident
     else:
         fraction = cache.mem_fraction_static or CPU_DEFAULT_MEM_FRACTION
-        budget = _available_host_memory() * fraction - weight_bytes
-    return max(0, int(budget // per_token))
+        available = _available_host_memory()
+        spent = (f"--mem-fraction-static {fraction} allows {available * fraction / gib:.2f} GiB of the "
+                 f"{available / gib:.2f} GiB of host memory available; the weights take {weight_bytes / gib:.2f} GiB")
+        budget = available * fraction - weight_bytes
+    if reserved_bytes:
+        spent += f" and the graphs {reserved_bytes / gib:.2f} GiB"
+    return budget - reserved_bytes, spent
 
 
 def _available_host_memory() -> int:

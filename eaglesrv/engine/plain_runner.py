@@ -1,21 +1,35 @@
-"""Plain decoding: one forward over every sequence's new tokens, then sample the next token."""
+"""Plain decoding: one forward over every sequence's new tokens, then sample the next token.
+
+With decode graphs (CUDA, unless --disable-cuda-graph), a decode-only step replays a
+captured graph of the target pass instead (engine/graphs/decode_step.py).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from eaglesrv.engine.graphs.decode_step import DecodeGraphs
+from eaglesrv.engine.kv_cache import KVPool
+from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, sample
 from eaglesrv.engine.step_runner import StepRunner
-from eaglesrv.kernels.attention.base import SequenceSpan
+from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
 from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
 
 
 class PlainRunner(StepRunner):
     mode = "plain"
 
+    def __init__(self, target: LlamaForCausalLM, kv: KVPool, attention: AttentionBackend, device: torch.device,
+                 decode_graphs: DecodeGraphs | None = None) -> None:
+        super().__init__(target, kv, attention, device)
+        self.decode_graphs = decode_graphs
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
         sequences = batch.sequences
+        if self.decode_graphs is not None and DecodeGraphs.holds(sequences):
+            return self._sampled(sequences, self.decode_graphs.logits(sequences))
         token_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []  # packed row of each sampling sequence's last token
@@ -29,7 +43,10 @@ class PlainRunner(StepRunner):
         if not last_rows:
             return []
         logits = self.target.compute_logits(hidden[self._tensor(last_rows)])
-        samplers = [seq for seq in sequences if seq.sample]
+        return self._sampled([seq for seq in sequences if seq.sample], logits)
+
+    @staticmethod
+    def _sampled(samplers, logits: torch.Tensor) -> list[SequenceResult]:
         result = sample(logits, SamplingBatch.of(samplers))
         return [
             SequenceResult.single(seq, token, logprobs)

@@ -1,7 +1,7 @@
 """Flags that are accepted but have no effect (yet): the one place that says so at start-up.
 
 When a feature lands, delete its check here; nothing else in the server changes.
-- CUDA graphs (issue 7): delete `_cuda_graphs`.
+- CUDA graphs for speculative steps: delete `_cuda_graphs` (plain decoding has them).
 EAGLE-3 has landed: --speculative-algorithm EAGLE3 reaches the engine as given, so only
 --speculative-* flags without an algorithm are reported.
 """
@@ -25,8 +25,9 @@ def _speculation(config: EngineConfig) -> str | None:
 
 def _cuda_graphs(config: EngineConfig) -> str | None:
     runtime = config.runtime
-    if runtime.cuda_graph_max_bs is not None or runtime.disable_cuda_graph:
-        return "CUDA graphs have not landed yet; --cuda-graph-max-bs and --disable-cuda-graph are ignored for now"
+    if config.speculative.enabled and (runtime.cuda_graph_max_bs is not None or runtime.disable_cuda_graph):
+        return ("CUDA graphs cover plain decoding only so far: with --speculative-algorithm every step runs "
+                "eagerly, and --cuda-graph-max-bs and --disable-cuda-graph have no effect")
     return None
 
 

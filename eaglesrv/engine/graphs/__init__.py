@@ -16,6 +16,11 @@ Parts
 - `runner.py`: `GraphRunner`: static input buffers, one graph per rung, padding rows
   written with caller-given values (a dummy page or slot), outputs cut to the real rows;
   batches above the top rung and `--disable-cuda-graph` run eagerly.
+- `decode_step.py`: `DecodeGraphs`, the target's decode step (token, cached length and
+  block-table row per request in; logits out) on a `GraphRunner`, with the KV pool's
+  padding page for padding rows. `PlainRunner` replays it for decode-only steps; the
+  engine builder captures it at start-up on CUDA (`--cuda-graph-max-bs`,
+  `--disable-cuda-graph`). Speculative steps do not use graphs yet.
 
 Random numbers under a graph
 A graph contains no random-number op (the stand-in refuses them). Sampling draws from

@@ -59,7 +59,7 @@ def host_read_refusal(func: Any) -> str | None:
 def op_refusal(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
     """Why the aten (or custom) op `func` with these arguments cannot be captured, or None."""
     tags = func.tags
-    if torch.Tag.nondeterministic_seeded in tags:
+    if torch.Tag.nondeterministic_seeded in tags and not _draws_nothing(func, args, kwargs):
         return (f"random-number op during capture: {func}; a replay would not draw what eager draws. "
                 "Pass random numbers in as graph inputs (the sampler's per-request uniforms)")
     if torch.Tag.data_dependent_output in tags:
@@ -71,6 +71,13 @@ def op_refusal(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | 
     if torch.Tag.dynamic_output_shape in tags and not _static_despite_tag(func, kwargs):
         return f"data-dependent output shape during capture: {func}"
     return None
+
+
+def _draws_nothing(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    # Attention is tagged seeded for its dropout; without dropout it draws nothing.
+    if func is torch.ops.aten.scaled_dot_product_attention.default:
+        return float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) == 0.0
+    return False
 
 
 def _has_mask_index(args: tuple) -> bool:

@@ -27,6 +27,7 @@ the step's outputs have been read.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
@@ -80,6 +81,7 @@ class GraphRunner:
             for name, spec in self.inputs.items()
         }
         self.graphs: dict[int, CapturedGraph] = {}
+        self.replays: Counter[int] = Counter()  # rung -> graph replays; eager runs are not counted
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -106,6 +108,7 @@ class GraphRunner:
         self._write_padding_rows(batch_size, bs)
         graph = self.graphs[bs]
         graph.replay()
+        self.replays[bs] += 1
         return tree_map(lambda out: out[:batch_size], graph.outputs)
 
     def _rows(self, bs: int) -> dict[str, torch.Tensor]:

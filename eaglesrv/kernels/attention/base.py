@@ -19,6 +19,7 @@ token t of a sequence lives in slot page_table[t // page_size] * page_size + t %
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,8 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
+    # Whether decode_metadata is implemented: only such a backend can run in a graph.
+    graph_safe_decode: bool = False
 
     def __init__(self, page_size: int, device: torch.device) -> None:
         self.page_size = page_size
@@ -48,6 +51,20 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def plan(self, spans: list[SequenceSpan]) -> AttentionMetadata:
         """Precompute slot mappings and masks for one forward pass."""
+
+    def decode_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor) -> AttentionMetadata:
+        """The metadata of a decode-only pass (one new token per sequence, causal), built
+        from device tensors by tensor ops alone, so that a graph can hold it: no host reads,
+        no shapes that depend on values. block_table [num_seqs, max_pages] int32 (columns
+        past a sequence's pages hold any valid page), num_cached [num_seqs] int32; the new
+        token of sequence i is at position num_cached[i]."""
+        raise NotImplementedError(f"the {self.name} attention backend has no graph-safe decode metadata")
+
+    def decode_workspace_bytes(self, num_seqs: int, max_keys: int, num_kv_heads: int, head_dim: int,
+                               dtype: torch.dtype) -> int:
+        """Memory one layer's decode attention allocates beyond its output, for num_seqs
+        sequences of up to max_keys keys (what a graph of that batch keeps)."""
+        return 0
 
     @abc.abstractmethod
     def forward(
@@ -90,6 +107,26 @@ def new_token_slots(spans: list[SequenceSpan], page_size: int) -> torch.Tensor:
         for t in range(span.num_cached, span.num_cached + span.num_new)
     ]
     return torch.tensor(slots, dtype=torch.long)
+
+
+def padded_block_table(page_tables: Sequence[Sequence[int]], fill: int = 0) -> torch.Tensor:
+    """[num_seqs, longest table (at least 1)] int32: each row a page table, padded with `fill`."""
+    num_pages = torch.tensor([len(table) for table in page_tables], dtype=torch.long)
+    pages = torch.tensor([page for table in page_tables for page in table], dtype=torch.int32)
+    width = max(1, int(num_pages.max())) if len(page_tables) else 1
+    block_table = torch.full((len(page_tables), width), fill, dtype=torch.int32)
+    rows = torch.repeat_interleave(torch.arange(len(page_tables)), num_pages)
+    columns = torch.arange(len(pages)) - torch.repeat_interleave(num_pages.cumsum(0) - num_pages, num_pages)
+    block_table[rows, columns] = pages
+    return block_table
+
+
+def decode_slots(block_table: torch.Tensor, num_cached: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[num_seqs] long: the cache slot of each sequence's token at position num_cached
+    (tensor ops only, graph-safe)."""
+    position = num_cached.long()
+    page = block_table.long().gather(1, (position // page_size)[:, None]).squeeze(1)
+    return page * page_size + position % page_size
 
 
 def slot_positions(spans: list[SequenceSpan], page_size: int) -> list[list[int]]:

@@ -24,6 +24,7 @@ from eaglesrv.kernels.attention.base import (
     SequenceSpan,
     check_page_tables,
     checked_mask,
+    decode_slots,
     first_rows,
     new_token_slots,
 )
@@ -44,11 +45,31 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    graph_safe_decode = True
 
     def plan(self, spans: list[SequenceSpan]) -> TorchAttentionMetadata:
         check_page_tables(spans, self.page_size)
         groups = plan_groups(spans, first_rows(spans), self.page_size, self.device)
         return TorchAttentionMetadata(new_slots=new_token_slots(spans, self.page_size).to(self.device), groups=groups)
+
+    def decode_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor) -> TorchAttentionMetadata:
+        """One group over every column of the block table, the keys past each sequence's
+        new token masked: the key count is fixed by the table's width, not by its values."""
+        num_seqs, max_pages = block_table.shape
+        key_pos = torch.arange(max_pages * self.page_size, device=block_table.device)
+        key_slots = block_table.long()[:, key_pos // self.page_size] * self.page_size + key_pos % self.page_size
+        mask = key_pos[None, :] <= num_cached.long()[:, None]  # [S, K]
+        query_rows = torch.arange(num_seqs, device=block_table.device)[:, None]
+        return TorchAttentionMetadata(
+            new_slots=decode_slots(block_table, num_cached, self.page_size),
+            groups=[SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask[:, None, None, :])],
+        )
+
+    def decode_workspace_bytes(self, num_seqs, max_keys, num_kv_heads, head_dim, dtype) -> int:
+        # The gathered keys and values (and their copies in the query's layout), the key
+        # slots and the mask: decode_metadata spans the block table's full width.
+        element = torch.tensor([], dtype=dtype).element_size()
+        return num_seqs * max_keys * (4 * num_kv_heads * head_dim * element + 8 + 1)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
         store_new_kv(k, v, k_cache, v_cache, metadata.new_slots)

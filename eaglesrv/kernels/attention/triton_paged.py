@@ -27,6 +27,8 @@ from eaglesrv.kernels.attention.base import (
     SequenceSpan,
     check_page_tables,
     checked_mask,
+    decode_slots,
+    padded_block_table,
 )
 from eaglesrv.kernels.attention.triton_kernels import (
     attention_blocks,
@@ -51,6 +53,7 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    graph_safe_decode = True
 
     def __init__(self, page_size: int, device: torch.device) -> None:
         if not triton_usable(device):
@@ -60,6 +63,17 @@ class TritonAttentionBackend(AttentionBackend):
     def plan(self, spans: list[SequenceSpan]) -> TritonAttentionMetadata:
         check_page_tables(spans, self.page_size)
         return plan_metadata(spans, self.page_size, self.device)
+
+    def decode_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor) -> TritonAttentionMetadata:
+        num_seqs, device = block_table.shape[0], block_table.device
+        return TritonAttentionMetadata(
+            block_table=block_table, num_cached=num_cached,
+            query_start=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+            mask_offset=torch.full((num_seqs,), -1, dtype=torch.int32, device=device),
+            masks=torch.zeros(1, dtype=torch.uint8, device=device),
+            new_slots=decode_slots(block_table, num_cached, self.page_size).to(torch.int32),
+            max_new=1, has_masks=False,
+        )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float):
         torch.ops.eaglesrv.triton_store_kv(k, v, k_cache, v_cache, metadata.new_slots)
@@ -76,13 +90,8 @@ def plan_metadata(spans: list[SequenceSpan], page_size: int, device: torch.devic
     query_start = torch.zeros(num_seqs + 1, dtype=torch.int32)
     torch.cumsum(num_new, 0, out=query_start[1:])
 
-    pages = torch.tensor([p for s in spans for p in s.page_table], dtype=torch.int32)
-    num_pages = torch.tensor([len(s.page_table) for s in spans], dtype=torch.long)
-    max_pages = max(1, int(num_pages.max())) if num_seqs else 1
-    block_table = torch.zeros(num_seqs, max_pages, dtype=torch.int32)
-    page_seq = torch.repeat_interleave(torch.arange(num_seqs), num_pages)
-    page_col = torch.arange(len(pages)) - torch.repeat_interleave(num_pages.cumsum(0) - num_pages, num_pages)
-    block_table[page_seq, page_col] = pages
+    block_table = padded_block_table([s.page_table for s in spans])
+    max_pages = block_table.shape[1]
 
     token_seq = torch.repeat_interleave(torch.arange(num_seqs), num_new.long())
     position = num_cached[token_seq] + torch.arange(len(token_seq), dtype=torch.int32) - query_start[token_seq]
