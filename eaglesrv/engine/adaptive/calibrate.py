@@ -10,6 +10,16 @@ sweeps over the whole ladder after one warm-up, and a point below a smaller size
 raised to it (CostCurve.monotone). The result is cached under
 $EAGLESRV_CACHE/cost_models, keyed by everything that changes it (model shapes, dtype,
 device, threads, attention backend, page size, torch version).
+
+A key cannot say whether the machine was busy when the model was measured. A model cached
+while the cores were shared priced a one-row target pass at 80 ms against 59 ms measured
+idle (4 rows: 141 against 117), so speculation looked cheaper beside plain decoding than
+it was, and adaptive ran at 0.82x plain at concurrency 1 (2-core AMD EPYC, float32). So a
+cached model is spot-checked at every start (_overpricing: about a second there) and
+measured again when it prices a step more than STALE_TOLERANCE above a fresh timing. The
+check is one-sided because timing noise is: a busy machine only makes passes slower, so a
+fresh timing below the cached price shows the cache was measured busy, while one above it
+shows only that the machine is busy now, which the learnt correction absorbs.
 """
 
 from __future__ import annotations
@@ -39,6 +49,8 @@ SLOPE_ROWS = 4  # target rows per request in them (a tree-masked span, as verifi
 MAX_TARGET_ROWS = 2048
 MAX_DRAFT_ROWS = 1024
 FORMAT = 4  # bump when what is measured changes
+STALE_TOLERANCE = 0.15  # a cached model pricing a step this far above a fresh timing is measured again
+SPOT_CHECK_REPEATS = 10  # sweeps of the spot check's passes; each pass's fastest counts, as in measure()
 
 
 def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
@@ -47,8 +59,12 @@ def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: 
     path = (cache_dir or default_cache_dir() / "cost_models") / f"{_cache_key(runner, context)}.json"
     if path.exists():
         model = CostModel.from_json(json.loads(path.read_text()))
-        logger.info("Speculation cost model: loaded %s", path)
-        return model
+        overpricing = _overpricing(runner, pages, context, model)
+        if overpricing <= STALE_TOLERANCE:
+            logger.info("Speculation cost model: loaded %s (it holds against a spot check)", path)
+            return model
+        logger.warning("Speculation cost model: the cached %s prices a pass %.0f%% above a fresh timing (it was "
+                       "measured while the machine was busy); measuring it again", path, 100 * overpricing)
     started = time.monotonic()
     model = measure(runner, pages, max_requests, context)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,6 +106,28 @@ def measure(runner, pages: PageAllocator, max_requests: int, context: int = CONT
     attention_s, draft_attention_s = _attention_prices(runner, pages, context)
     return CostModel(CostCurve.monotone(target_rows, target), CostCurve.monotone(target_rows, logits),
                      CostCurve.monotone(draft_rows, draft), context, attention_s, draft_attention_s)
+
+
+@torch.inference_mode()
+def _overpricing(runner, pages: PageAllocator, context: int, model: CostModel) -> float:
+    """How far above fresh timings the model prices the two steps the policy weighs at low
+    load, at most (0 when it prices neither above): a plain one-row pass and one request's
+    largest tree (its draft passes and its verification). Whole steps, not single passes:
+    a 3 ms draft pass jitters by more than the tolerance, and a draft pass of many rows
+    timed alone ran 15-25% faster than inside the measurement's sweep."""
+    largest = runner.largest
+    per_request_pages = math.ceil((context + runner.decode_lookahead + 1) / runner.kv.page_size)
+    if pages.num_free < per_request_pages:
+        return 0.0
+    with pages.borrowed([per_request_pages]) as tables:
+        plain, verify, draft = _best_times([
+            lambda: _target_pass(runner, tables, context, 1, largest.nodes),
+            lambda: _target_pass(runner, tables, context, largest.nodes, largest.nodes),
+            lambda: _draft_pass(runner, tables, context, largest.topk, largest.topk)], SPOT_CHECK_REPEATS)
+    drafting = largest.steps - 1
+    timed = [plain, verify + drafting * draft]
+    priced = [float(model.target(1)), float(model.target(largest.nodes) + drafting * model.draft(largest.topk))]
+    return max(0.0, max(price / fresh - 1.0 for price, fresh in zip(priced, timed)))
 
 
 def _attention_prices(runner, pages: PageAllocator, context: int) -> tuple[float, float]:
