@@ -28,7 +28,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token(arch: ModelArch, dtype: torch.dtype) -> int:
-        element = torch.tensor([], dtype=dtype).element_size()
+        element = dtype.itemsize
         return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * element
 
     @property

@@ -74,7 +74,7 @@ class FeaturePool:
 
     @staticmethod
     def bytes_per_token(width: int, dtype: torch.dtype) -> int:
-        return width * torch.empty((), dtype=dtype).element_size()
+        return width * dtype.itemsize
 
     def write(self, steps: list[HeldStep], features: torch.Tensor) -> None:
         """Store one step's entries; `features` holds their rows in order."""

@@ -86,7 +86,7 @@ def decode_graph_bytes(arch: ModelArch, dtype: torch.dtype, max_batch_size: int,
     pool, so the smaller ones reuse its memory) and the attention backend's workspace.
     Per row: the residual stream and its norms, q/k/v, the attention output, the MLP's
     gate/up and their product, and the logits in the model's dtype and in float32."""
-    element = torch.tensor([], dtype=dtype).element_size()
+    element = dtype.itemsize
     q_width, kv_width = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     per_row = element * (3 * arch.hidden_size + 2 * q_width + 2 * kv_width + 3 * arch.intermediate_size)
     per_row += (element + 4) * arch.vocab_size

@@ -68,7 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
     def decode_workspace_bytes(self, num_seqs, max_keys, num_kv_heads, head_dim, dtype) -> int:
         # The gathered keys and values (and their copies in the query's layout), the key
         # slots and the mask: decode_metadata spans the block table's full width.
-        element = torch.tensor([], dtype=dtype).element_size()
+        element = dtype.itemsize
         return num_seqs * max_keys * (4 * num_kv_heads * head_dim * element + 8 + 1)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TorchAttentionMetadata, scale: float):
