@@ -23,7 +23,9 @@ def offline_engine():
     from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig
     from eaglesrv.engine.llm_engine import Engine
 
-    config = EngineConfig(model=ModelConfig(context_length=CONTEXT_LENGTH), cache=CacheConfig(max_total_tokens=4096))
+    # float32, as the server runs (LiveServer): --dtype auto picks bfloat16 on CPUs with bf16 units.
+    config = EngineConfig(model=ModelConfig(context_length=CONTEXT_LENGTH, dtype="float32"),
+                          cache=CacheConfig(max_total_tokens=4096))
     return Engine(config)
 
 

@@ -52,5 +52,7 @@ def train_argv(model_dir: str, data_path: str, output_dir: Path, *extra: str) ->
         "--model-path", model_dir, "--data-path", data_path, "--output-dir", str(output_dir),
         "--num-conversations", "32", "--max-seq-len", "96", "--draft-vocab-size", "192",
         "--ttt-steps", "3", "--batch-tokens", "384", "--epochs", "6", "--lr", "3e-3",
-        "--warmup-steps", "5", "--checkpoint-every", "8", "--device", "cpu", "--no-progress", *extra,
+        "--warmup-steps", "5", "--checkpoint-every", "8", "--device", "cpu", "--no-progress",
+        "--target-dtype", "float32",  # the tests' oracle; auto picks bfloat16 on CPUs with bf16 units
+        *extra,
     ]
