@@ -63,7 +63,7 @@ def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: 
         if overpricing <= STALE_TOLERANCE:
             logger.info("Speculation cost model: loaded %s (it holds against a spot check)", path)
             return model
-        logger.warning("Speculation cost model: the cached %s prices a pass %.0f%% above a fresh timing (it was "
+        logger.warning("Speculation cost model: the cached %s prices a step %.0f%% above a fresh timing (it was "
                        "measured while the machine was busy); measuring it again", path, 100 * overpricing)
     started = time.monotonic()
     model = measure(runner, pages, max_requests, context)
@@ -88,11 +88,15 @@ def measuring_context(runner, free_pages: int) -> int:
     return context
 
 
+def _measuring_request_pages(runner, context: int) -> int:
+    """Pages of one measuring request: `context` cached tokens and the largest step's."""
+    return math.ceil((context + runner.decode_lookahead + 1) / runner.kv.page_size)
+
+
 @torch.inference_mode()
 def measure(runner, pages: PageAllocator, max_requests: int, context: int = CONTEXT_TOKENS) -> CostModel:
     largest = runner.largest
-    page_size = runner.kv.page_size
-    per_request_pages = math.ceil((context + runner.decode_lookahead + 1) / page_size)
+    per_request_pages = _measuring_request_pages(runner, context)
     requests = min(max_requests, pages.num_free // per_request_pages)
     if requests < 1:
         raise ValueError("the KV pool is too small to measure the speculation cost model")
@@ -116,7 +120,7 @@ def _overpricing(runner, pages: PageAllocator, context: int, model: CostModel) -
     a 3 ms draft pass jitters by more than the tolerance, and a draft pass of many rows
     timed alone ran 15-25% faster than inside the measurement's sweep."""
     largest = runner.largest
-    per_request_pages = math.ceil((context + runner.decode_lookahead + 1) / runner.kv.page_size)
+    per_request_pages = _measuring_request_pages(runner, context)
     if pages.num_free < per_request_pages:
         return 0.0
     with pages.borrowed([per_request_pages]) as tables:
