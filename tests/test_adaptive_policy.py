@@ -378,3 +378,30 @@ def test_speculation_starts_with_a_margin_over_plain_and_stops_below_half_of_it(
     policy.current = chain
     dropped = policy.decide(StepLoad(1, [0.5]))  # this request's drafts land half as often
     assert dropped.shape is None and policy.current is None
+
+
+def test_a_table_soured_in_one_spell_is_tried_again_after_plain_steps():
+    """A few poor verifications (drafts kept 1 time in 10) make trees look worthless; the
+    steps that decode plainly instead fade that evidence until the prior earns a retry. A
+    table built on thousands of trials survives such a spell."""
+    from eaglesrv.engine.adaptive.acceptance import RequestAcceptance
+    from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
+
+    adaptive = AdaptiveSpeculation(TreeShape.of(3, 1, 3), knee_costs(16, 0.005), _pool())
+    alone = [RequestAcceptance()]
+    assert adaptive.decide(StepLoad(1, [1.0]), alone).shape is not None  # the prior (q = 0.6) says trees pay
+    chain = TreeShape.of(2, 1, 2)
+    for trial in range(40):
+        adaptive.acceptance.record(chain, [(1, 0, trial % 10 == 0)], RequestAcceptance())
+    plain_steps = 0
+    while adaptive.decide(StepLoad(1, [1.0]), alone).shape is None:
+        plain_steps += 1
+        assert plain_steps < 100, "the soured table never faded"
+    assert plain_steps > 10  # it did sour the choice for a while
+
+    learnt = fixed_table(np.full((3, 1), 0.8))
+    learnt.trials *= 30  # 3,000 trials per entry
+    learnt.hits *= 30
+    for _ in range(35):
+        learnt.fade()
+    assert learnt.rates()[0, 0] == pytest.approx(0.8, abs=0.01)

@@ -71,6 +71,8 @@ class AdaptiveSpeculation:
         for index, record in enumerate(eligible):
             if index not in chosen:  # sat this step out: a poor record is retried after a while
                 record.relax()
+        if eligible and decision.shape is None:  # and so is a poor table (acceptance.py)
+            self.acceptance.fade()
         self.last = decision
         self.steps[decision.kind] += 1
         now = time.monotonic()
