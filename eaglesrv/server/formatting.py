@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
@@ -128,15 +129,46 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(data: Any) -> tuple | None:
+    """The path to a key or string that holds a lone surrogate, or None. JSON may
+    escape one (`"\\ud800"`); Python decodes it into a str that no tokenizer or encoder
+    accepts. Walked without recursion: the body may nest as deep as json.loads allows."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    return path + (key,)
+                stack.append((path + (key,), item))
+        elif isinstance(value, list):
+            stack.extend((path + (index,), item) for index, item in enumerate(value))
+    return None
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body validated as `model`; 400 (not FastAPI's 422) for anything wrong with it."""
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as exc:  # bad syntax or encoding, or an integer too long to convert
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:
+        # A key may be the culprit: shown escaped, since the answer cannot carry it either.
+        param = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in where) or None
+        raise bad_request(f"{param}: a string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                          "which is not text", param=param)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
