@@ -80,6 +80,7 @@ class AcceptanceTable:
         self.hits = np.zeros((self.depths, self.ranks))
         self._cache: dict[TreeShape, float] = {}
         self._cache_version = -1
+        self._cached_rates = np.zeros((0, 0))  # rates() at _cache_version
 
     def rates(self) -> np.ndarray:
         """q[d][r]: depth d + 1, rank r (0 = the draft's first choice)."""
@@ -117,10 +118,10 @@ class AcceptanceTable:
         self.version += 1
 
     def expected_accept_length(self, shape: TreeShape) -> float:
-        if self._cache_version != self.version:
-            self._cache, self._cache_version = {}, self.version
+        if self._cache_version != self.version:  # rates once per version, not per shape (fade bumps it often)
+            self._cache, self._cache_version, self._cached_rates = {}, self.version, self.rates()
         if shape not in self._cache:
-            self._cache[shape] = expected_accept_length(self.rates(), shape)
+            self._cache[shape] = expected_accept_length(self._cached_rates, shape)
         return self._cache[shape]
 
     def snapshot(self) -> list[list[float]]:
