@@ -22,14 +22,15 @@ import argparse
 import collections
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from eaglesrv.bench.compare.configs import BASELINE, custom
 from eaglesrv.bench.serving.dataset import sample_sharegpt_requests
 from eaglesrv.configs.cli import parse_engine_config
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
 
-BASELINE, CONTROL = "plain", "plain (control)"
+CONTROL = "plain (control)"
 
 
 @dataclass
@@ -43,7 +44,6 @@ class ClosedLoop:
     in_flight: int = 0
     seconds: float = 0.0  # summed over this engine's steps only
     output_tokens: int = 0
-    steps: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def done(self) -> bool:
@@ -56,7 +56,6 @@ class ClosedLoop:
         started = time.perf_counter()
         outputs = self.engine.step()
         self.seconds += time.perf_counter() - started
-        self.steps["all"] += 1
         for out in outputs:
             self.output_tokens += len(out.new_token_ids)
             self.in_flight -= int(out.finished)
@@ -106,13 +105,18 @@ def main() -> None:
     parser.add_argument("--no-control", action="store_true", help="leave out the second plain engine")
     args = parser.parse_args()
 
-    configs = {BASELINE: ""}
+    configs: dict[str, tuple[str, ...]] = {BASELINE: ()}
     if not args.no_control:
-        configs[CONTROL] = ""
+        configs[CONTROL] = ()
     for item in args.config or ["adaptive=--speculative-algorithm EAGLE3"]:
-        name, _, flags = item.partition("=")
-        configs[name] = flags
-    engines = {name: Engine(parse_engine_config(shlex.split(args.engine_args) + shlex.split(flags)))
+        try:
+            variant = custom(item)  # bench_compare's NAME=FLAGS, checked the same way
+        except ValueError as exc:
+            parser.error(str(exc))
+        if variant.name in configs:
+            parser.error(f"--config {variant.name}: that name is taken")
+        configs[variant.name] = variant.server_args
+    engines = {name: Engine(parse_engine_config(shlex.split(args.engine_args) + list(flags)))
                for name, flags in configs.items()}
     for engine in engines.values():
         engine.warmup()
