@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglesrv.kernels.attention import SequenceSpan, create_attention_backend
-from eaglesrv.kernels.attention.base import slot_positions
+from eaglesrv.kernels.attention.base import full_mask, padded_block_table, slot_positions
 
 PAGE = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -37,8 +37,9 @@ def random_case(spans_shape, seed=0, custom=False, heads=(HEADS, KV_HEADS, DIM),
         total = cached + new
         pages = [free_pages.pop() for _ in range(-(-total // page_size))]
         mask = None
-        if custom:
-            mask = torch.rand(new, total, generator=g) > 0.5
+        if custom:  # over every key, or over the last few (the keys before them visible)
+            width = total if len(spans) % 2 == 0 else new + cached // 2
+            mask = torch.rand(new, width, generator=g) > 0.5
             mask[:, 0] = True
         spans.append(SequenceSpan(pages, cached, new, mask))
         full.append((torch.randn(total, num_kv_heads, dim, generator=g),
@@ -100,7 +101,7 @@ def check_against_naive(shape, custom, backend_name, dtype, heads=(HEADS, KV_HEA
     for span, slots, (k, v) in zip(spans, slot_positions(spans, page_size), full):
         total = span.num_cached + span.num_new
         if span.custom_mask is not None:
-            mask = span.custom_mask
+            mask = full_mask(span)
         else:
             mask = torch.arange(total)[None, :] <= (span.num_cached + torch.arange(span.num_new))[:, None]
         k, v = k.to(dtype).float(), v.to(dtype).float()
@@ -110,11 +111,42 @@ def check_against_naive(shape, custom, backend_name, dtype, heads=(HEADS, KV_HEA
         offset += span.num_new
 
 
+def check_uniform_metadata(backend_name: str, dtype: torch.dtype, num_new: int, width: int | None) -> None:
+    """A graph's metadata (uniform_metadata, from device tensors) attends and stores exactly
+    as the host-planned metadata of the same spans. width: the tree masks' W, None = causal."""
+    g = torch.Generator().manual_seed(3)
+    num_cached = [5, 4, 13]
+    spans, k_cache, v_cache, q, k_new, v_new, _ = random_case([(c, num_new) for c in num_cached], page_size=4)
+    masks = None
+    if width is not None:
+        masks = torch.rand(len(spans), num_new, width, generator=g) > 0.4
+        masks[:, :, -num_new:] |= torch.eye(num_new, dtype=torch.bool)  # every token sees itself
+        spans = [SequenceSpan(s.page_table, s.num_cached, s.num_new, m) for s, m in zip(spans, masks)]
+    k_cache, v_cache, q, k_new, v_new = (t.to(dtype) for t in (k_cache, v_cache, q, k_new, v_new))
+    backend = create_attention_backend(backend_name, 4, torch.device("cpu"))
+    planned_k, planned_v = k_cache.clone(), v_cache.clone()
+    expected = backend.forward(q, k_new, v_new, planned_k, planned_v, backend.plan(spans), 0.25)
+    table = padded_block_table([s.page_table + [s.page_table[0]] * 2 for s in spans])  # wider than needed
+    metadata = backend.uniform_metadata(table, torch.tensor(num_cached, dtype=torch.int32), num_new, masks)
+    out = backend.forward(q, k_new, v_new, k_cache, v_cache, metadata, 0.25)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert torch.equal(k_cache, planned_k) and torch.equal(v_cache, planned_v)
+
+
+@pytest.mark.parametrize("num_new,width", [(1, None), (3, None), (4, 4), (4, 8)],
+                         ids=["decode", "causal", "tree", "draft-scratch"])
+def test_uniform_metadata_matches_the_planned_pass(num_new, width):
+    check_uniform_metadata("torch", torch.float32, num_new, width)
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 def test_rejects_bad_mask_shape_and_short_page_table(backend_name):
     backend = create_attention_backend(backend_name, PAGE, torch.device("cpu"))
     with pytest.raises(ValueError, match="mask shape"):
-        backend.plan([SequenceSpan([0, 1], 2, 3, torch.ones(3, 4, dtype=torch.bool))])
+        backend.plan([SequenceSpan([0, 1], 2, 3, torch.ones(3, 6, dtype=torch.bool))])  # wider than the keys
+    with pytest.raises(ValueError, match="mask shape"):
+        backend.plan([SequenceSpan([0, 1], 2, 3, torch.ones(3, 2, dtype=torch.bool))])  # narrower than the rows
     with pytest.raises(ValueError, match="too short"):
         backend.plan([SequenceSpan([0], 2, 3)])
 

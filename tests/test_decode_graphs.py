@@ -121,9 +121,10 @@ def eager_logits(runner, batch) -> torch.Tensor:
 
 
 class _ReadsTheHost(TorchAttentionBackend):
-    def decode_metadata(self, block_table, num_cached):
+    def uniform_metadata(self, block_table, num_cached, num_new, tree_mask=None):
         longest = int(num_cached.max())  # a host read: a graph would freeze it at capture
-        return super().decode_metadata(block_table[:, : longest // self.page_size + 1], num_cached)
+        return super().uniform_metadata(block_table[:, : longest // self.page_size + 1], num_cached, num_new,
+                                        tree_mask)
 
 
 def test_control_a_host_read_in_the_decode_step_is_refused_at_start_up(tiny_llama_dir, monkeypatch):

@@ -1,9 +1,9 @@
 """GPU checks (`-m gpu`; skipped without CUDA): the Triton kernels against their torch
 references on the device in bf16 and fp16 at serving-like shapes, greedy output through
-the Triton backend equal to the torch backend (plain and EAGLE-3), and plain decoding with
-CUDA graphs equal to without. The mechanism's own replay check is test_graph_capture.py's
-`test_cuda_graph_replay_equals_eager`. On a lent GPU machine `bash scripts/gpu_check.sh`
-runs them all.
+the Triton backend equal to the torch backend (plain and EAGLE-3), and plain decoding and
+EAGLE-3 (static and adaptive) with CUDA graphs equal to without. The mechanism's own replay
+check is test_graph_capture.py's `test_cuda_graph_replay_equals_eager`. On a lent GPU
+machine `bash scripts/gpu_check.sh` runs them all.
 
 The same cases run on the CPU in Triton's interpreter (test_triton_attention.py,
 test_eagle3_device_kernels.py) at small shapes; here they run compiled, where races and
@@ -121,4 +121,31 @@ def test_decode_graphs_equal_eager_on_cuda(tiny_llama_dir, backend):
         outputs[graphs] = run_staggered(engine, prompts, greedy, every=2)
         if graphs:
             assert sum(engine.runner.decode_graphs.runner.replays.values()) > 0
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["static", "adaptive"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_eagle3_graphs_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend, adaptive):
+    from eagle3_helpers import save_random_head, spec_config
+    from engine_helpers import random_prompts, run_staggered
+    from test_eagle3_graphs import force_the_configured_tree_every_other_step
+
+    from eaglesrv.engine.llm_engine import Engine
+    from eaglesrv.sampling_params import SamplingParams
+
+    head_dir = save_random_head(tiny_llama_dir, tmp_path / "head")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = random_prompts((1, 5, 17, 40, 300, 3), 256)
+    outputs = {}
+    for graphs in (True, False):
+        engine = Engine(spec_config(tiny_llama_dir, head_dir, 4, 4, 12, adaptive=adaptive, attention_backend=backend,
+                                    device="cuda", dtype="bfloat16", cuda_graph_max_bs=4,
+                                    disable_cuda_graph=not graphs))
+        if adaptive:
+            force_the_configured_tree_every_other_step(engine)
+        outputs[graphs] = run_staggered(engine, prompts, greedy, every=2)
+        if graphs:
+            assert sum(engine.runner.graphs.tree_runner.replays.values()) > 0
+            assert sum(engine.runner.graphs.extend_runner.replays.values()) > 0
     assert outputs[True] == outputs[False]

@@ -22,18 +22,19 @@ pytestmark = pytest.mark.skipif(not triton_usable(CPU), reason="needs triton and
 
 # (num_cached, num_new, has a tree mask): decodes, prefill chunks over cached prefixes, a
 # fresh prefill, and trees beside them, in one batch.
-MIXED = [(9, 1, False), (5, 20, False), (12, 6, True), (0, 7, False), (30, 1, False), (3, 5, True)]
+MIXED = [(9, 1, False), (5, 20, False), (12, 6, True), (0, 7, False), (30, 1, False), (3, 5, "full")]
 DECODES = [(9, 1, False), (17, 1, False), (40, 1, False), (0, 1, False)]
 LONG_CHUNK = [(5, 40, False), (2, 1, False), (20, 33, True)]  # several 64-row tiles per sequence
 
 
-def tree_mask(num_cached: int, num_new: int, g: torch.Generator) -> torch.Tensor:
+def tree_mask(num_cached: int, num_new: int, g: torch.Generator, full: bool) -> torch.Tensor:
     """A random tree over the new tokens (each node's parent comes before it): a node sees
-    the prefix, its ancestors and itself."""
+    the prefix, its ancestors and itself. The mask covers the nodes only (as the engine
+    passes it), or, `full`, every key with the prefix spelled out."""
     ancestors = torch.eye(num_new, dtype=torch.bool)
     for node in range(1, num_new):
         ancestors[node] |= ancestors[int(torch.randint(0, node, (1,), generator=g))]
-    return torch.cat([torch.ones(num_new, num_cached, dtype=torch.bool), ancestors], 1)
+    return torch.cat([torch.ones(num_new, num_cached, dtype=torch.bool), ancestors], 1) if full else ancestors
 
 
 def random_batch(shape, heads, page_size, dtype, seed=0):
@@ -45,7 +46,7 @@ def random_batch(shape, heads, page_size, dtype, seed=0):
     spans = []
     for cached, new, masked in shape:
         pages = [free.pop() for _ in range(-(-(cached + new) // page_size))]
-        spans.append(SequenceSpan(pages, cached, new, tree_mask(cached, new, g) if masked else None))
+        spans.append(SequenceSpan(pages, cached, new, tree_mask(cached, new, g, masked == "full") if masked else None))
     k_cache = torch.randn(num_pages * page_size, num_kv_heads, dim, generator=g).to(dtype)
     v_cache = torch.randn(num_pages * page_size, num_kv_heads, dim, generator=g).to(dtype)
     tokens = sum(n for _, n, _ in shape)
@@ -103,7 +104,8 @@ def test_plan_builds_the_tables_the_kernels_read():
     assert metadata.num_cached.tolist() == [c for c, _, _ in MIXED]
     for row, span in zip(metadata.block_table.tolist(), spans):
         assert row[: len(span.page_table)] == span.page_table
-    assert metadata.mask_offset.tolist() == [-1, -1, 0, -1, -1, 6 * 18]
+    assert metadata.mask_offset.tolist() == [-1, -1, 0, -1, -1, 6 * 6]
+    assert metadata.mask_width.tolist()[2::3] == [6, 8]
     assert metadata.masks.tolist() == torch.cat([spans[2].custom_mask.reshape(-1),
                                                  spans[5].custom_mask.reshape(-1)]).int().tolist()
     assert metadata.max_new == 20 and metadata.has_masks
@@ -135,8 +137,16 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(
         torch.ops.eaglesrv.triton_paged_attention.default,
         (q.contiguous(), k_cache, v_cache, metadata.block_table, metadata.num_cached, metadata.query_start,
-         metadata.mask_offset, metadata.masks, 4, 0.25, metadata.max_new, metadata.has_masks),
+         metadata.mask_offset, metadata.mask_width, metadata.masks, 4, 0.25, metadata.max_new, metadata.has_masks),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_new,width", [(1, None), (4, 4), (4, 8)], ids=["decode", "tree", "draft-scratch"])
+def test_uniform_metadata_matches_the_planned_pass(num_new, width, dtype):
+    from test_attention import check_uniform_metadata
+
+    check_uniform_metadata("triton", dtype, num_new, width)
 
 
 def test_greedy_output_equals_the_torch_backend(tiny_llama_dir):

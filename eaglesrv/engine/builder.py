@@ -4,8 +4,9 @@ adaptive policy and the scheduler. Engine.__init__ calls build_engine once.
 
     config -> device, dtype (placement.py) -> target model, tokenizer (loader/)
            -> draft head (eagle3/head_io.py)  -> attention backend, checked on the device
-           -> KV pool size (placement.kv_pool_pages, less what plain decoding's graphs keep)
-           -> KV pools -> plain decoding's graphs, captured (CUDA) -> runner (PlainRunner | Eagle3Runner)
+           -> KV pool size (placement.kv_pool_pages, less what the graphs keep)
+           -> KV pools -> graphs, captured (CUDA): plain decoding's, or EAGLE-3's tree step and
+              draft extend -> runner (PlainRunner | Eagle3Runner)
            -> scheduler (asks the runner what a decode needs)
            -> adaptive: cost model measured on pages borrowed from the scheduler
 """
@@ -28,6 +29,7 @@ from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.eagle3.eagle3_runner import Eagle3Runner
 from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.graphs.decode_step import DecodeGraphs, decode_graph_bytes
+from eaglesrv.engine.graphs.eagle3_steps import Eagle3Graphs
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch
@@ -36,6 +38,7 @@ from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.placement import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
 from eaglesrv.engine.plain_runner import PlainRunner
 from eaglesrv.engine.step_runner import StepRunner
+from eaglesrv.engine.tree_shape import TreeShape
 from eaglesrv.heads import DEFAULT_MODEL_HEAD, default_model_head
 from eaglesrv.kernels.attention import create_attention_backend
 from eaglesrv.kernels.attention.base import AttentionBackend
@@ -94,23 +97,29 @@ def build_engine(config: EngineConfig) -> EngineParts:
     attention = create_attention_backend(config.runtime.attention_backend, page_size, device)
     head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (arch, draft.config.arch if draft else None) if a]
     attention = checked_backend(attention, head_shapes, dtype)
-    graph_batch = None if draft is not None else _decode_graph_batch_size(config, device, attention)
+    graph_batch = _graph_batch_size(config, device, attention)
     max_pages = -(-max_context_len // page_size)  # the widest block table a graph takes
+    tree = TreeShape.from_config(spec) if draft is not None else None
+    # What the graphs keep: the target's pass at the top rung, over every tree node with EAGLE-3
+    # (its draft passes and extend are far smaller).
     num_pages = kv_pool_pages(
         config.cache, arch, dtype, device, _weight_bytes(model, draft),
         extra_bytes_per_token=(KVPool.bytes_per_token(draft.config.arch, dtype) if draft is not None else 0)
         + FeaturePool.bytes_per_token(feature_width, dtype),
-        reserved_bytes=decode_graph_bytes(arch, dtype, graph_batch, attention, max_pages * page_size)
-        if graph_batch else 0,
+        reserved_bytes=decode_graph_bytes(arch, dtype, graph_batch * (tree.nodes if tree else 1), attention,
+                                          max_pages * page_size) if graph_batch else 0,
     )
     kv = KVPool(arch, num_pages, page_size, dtype, device)
     if draft is None:
-        graphs = None if graph_batch is None else _capture_decode_graphs(model, kv, attention, device, graph_batch,
-                                                                         max_pages)
-        runner: StepRunner = PlainRunner(model, kv, attention, device, graphs)
+        graphs = None if graph_batch is None else DecodeGraphs(model, kv, attention, device, graph_batch, max_pages)
+        runner: StepRunner = PlainRunner(model, kv, attention, device, _captured(graphs, device, "decode graphs"))
     else:
         draft_kv = KVPool(draft.config.arch, num_pages, page_size, dtype, device)
-        runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec)
+        graphs = None if graph_batch is None else Eagle3Graphs(
+            model, draft, kv, draft_kv, attention, device, tree, draft.config.capture_layers(arch.num_layers),
+            graph_batch, max_pages)
+        runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec,
+                              graphs=_captured(graphs, device, "EAGLE-3 tree-step and draft-extend graphs"))
     scheduler = Scheduler(config.scheduler, num_pages, page_size, demand=runner)
     if adaptive:
         costs = load_or_measure(runner, scheduler.pages, config.scheduler.max_running_requests)
@@ -130,27 +139,28 @@ def build_engine(config: EngineConfig) -> EngineParts:
                        max_context_len, runner, scheduler)
 
 
-def _decode_graph_batch_size(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> int | None:
-    """The largest batch plain decoding captures a graph for, or None for no graphs: they
+def _graph_batch_size(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> int | None:
+    """The largest batch the decode steps capture a graph for, or None for no graphs: they
     run on CUDA unless --disable-cuda-graph (on the CPU only for tests, via the stand-in)."""
     runtime = config.runtime
     if runtime.disable_cuda_graph or not (device.type == "cuda" or runtime.graphs_on_cpu):
         return None
-    if not attention.graph_safe_decode:
+    if not attention.graph_safe:
         logger.warning("the %s attention backend cannot run in a graph: decoding runs eagerly", attention.name)
         return None
     return min(runtime.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, config.scheduler.max_running_requests)
 
 
-def _capture_decode_graphs(model: LlamaForCausalLM, kv: KVPool, attention: AttentionBackend, device: torch.device,
-                           largest: int, max_pages: int) -> DecodeGraphs:
-    graphs = DecodeGraphs(model, kv, attention, device, largest, max_pages)
+def _captured(graphs, device: torch.device, what: str):
+    """The graphs (DecodeGraphs or Eagle3Graphs), captured, or None."""
+    if graphs is None:
+        return None
     started = time.monotonic()
     before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     graphs.capture()
     used = f", {(torch.cuda.memory_reserved(device) - before) / 2**30:.2f} GiB" if device.type == "cuda" else ""
-    logger.info("Captured decode graphs for batch sizes %s (block tables of %d pages) in %.1f s%s",
-                graphs.batch_sizes, max_pages, time.monotonic() - started, used)
+    logger.info("Captured %s for batch sizes %s in %.1f s%s", what, graphs.batch_sizes, time.monotonic() - started,
+                used)
     return graphs
 
 

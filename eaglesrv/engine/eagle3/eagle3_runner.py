@@ -39,11 +39,14 @@ from eaglesrv.engine.adaptive.backlog import Backlog, HeldStep
 from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.adaptive.policy import StepLoad
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
+from eaglesrv.engine.eagle3.drafting import grow_trees
 from eaglesrv.engine.eagle3.request_state import RootState, SpecRequestState
 from eaglesrv.engine.eagle3.stats import SpecStats
-from eaglesrv.engine.eagle3.tree import DraftTree, TreeBuilder, scratch_mask
+from eaglesrv.engine.eagle3.tree import DraftTree
 from eaglesrv.engine.eagle3.verify import accept_greedy, accept_sampling
 from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.engine.graphs.decode_step import DecodeGraphs
+from eaglesrv.engine.graphs.eagle3_steps import Eagle3Graphs
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, compute_logprobs, processed_probs, request_uniforms, sample
@@ -64,6 +67,7 @@ class Eagle3Runner(StepRunner):
         device: torch.device,
         spec: SpeculativeConfig,
         adaptive: AdaptiveSpeculation | None = None,
+        graphs: Eagle3Graphs | None = None,
     ) -> None:
         super().__init__(target, target_kv, attention, device)
         self.draft, self.draft_kv = draft, draft_kv
@@ -75,6 +79,7 @@ class Eagle3Runner(StepRunner):
         self.requests: dict[str, SpecRequestState] = {}  # one record per request, dropped in release()
         self.stats = SpecStats(spec.num_steps)
         self.adaptive = adaptive  # None: every step uses the configured tree (static)
+        self.graphs = graphs  # the configured tree's decode steps and the draft extend, captured (CUDA)
 
     @property
     def mode(self) -> str:
@@ -144,9 +149,26 @@ class Eagle3Runner(StepRunner):
         if speculating and self.adaptive is not None:
             self._catch_up([seqs[i] for i in speculating])  # 0. draft up to date first (timed apart)
         started = time.perf_counter()
+        results: dict[int, SequenceResult] = {}
+        kept_rows: dict[int, list[int]] = {}  # rows of `features` the draft extend reads
+        if len(speculating) == len(seqs) and self.graphs is not None and self.graphs.holds(shape, len(seqs)):
+            features, offsets = self._graphed_tree_step(shape, seqs, results, kept_rows)
+        elif not speculating and self.graphs is not None and DecodeGraphs.holds(seqs):
+            features, offsets = self._graphed_plain_step(seqs, results)
+        else:
+            features, offsets = self._eager_step(shape, seqs, speculating, results, kept_rows)
+
+        # 5. draft extend over what each sequence committed this step
+        self._extend(seqs, results, offsets, kept_rows, features)
+        if decision is not None and all(len(seq.token_ids) == 1 for seq in seqs):  # decode-only steps calibrate
+            self.adaptive.observe(decision, time.perf_counter() - started)
+        return [results[i] for i in range(len(seqs)) if seqs[i].sample]
+
+    def _eager_step(self, shape, seqs, speculating, results, kept_rows) -> tuple[torch.Tensor, list[int]]:
+        """Steps 1 to 4 without graphs, for any mix of trees, decodes and prefill chunks:
+        (the target's features [rows, 3 * hidden], each sequence's first row in them)."""
         trees = self._draft(shape, [seqs[i] for i in speculating]) if speculating else None
         tree_row = {seq_index: row for row, seq_index in enumerate(speculating)}
-        num_nodes = trees.num_nodes if trees is not None else 0
 
         # 2. one target pass over every sequence
         token_ids, positions, spans, offsets = [], [], [], []
@@ -157,8 +179,7 @@ class Eagle3Runner(StepRunner):
                 row = tree_row[i]
                 token_ids.extend(trees.tokens[row].tolist())
                 positions.extend((seq.num_cached + trees.depths[row]).tolist())
-                mask = torch.cat([torch.ones(num_nodes, seq.num_cached, dtype=torch.bool), tree_masks[row]], 1)
-                spans.append(SequenceSpan(seq.page_table, seq.num_cached, num_nodes, mask))
+                spans.append(SequenceSpan(seq.page_table, seq.num_cached, trees.num_nodes, tree_masks[row]))
             else:
                 token_ids.extend(seq.token_ids)
                 positions.extend(range(seq.num_cached, seq.num_cached + len(seq.token_ids)))
@@ -166,8 +187,6 @@ class Eagle3Runner(StepRunner):
         hidden, features = self.target_pass(token_ids, positions, spans, self.capture_layers)
 
         # 3. accept / sample
-        results: dict[int, SequenceResult] = {}
-        kept_rows: dict[int, list[int]] = {}  # packed rows whose features the draft extend reads
         plain = [i for i, seq in enumerate(seqs) if seq.sample and i not in tree_row]
         if plain:
             last = [offsets[i] + len(seqs[i].token_ids) - 1 for i in plain]
@@ -176,13 +195,31 @@ class Eagle3Runner(StepRunner):
             for i, token, logprobs in zip(plain, sampled.token_ids, sampled.logprobs):
                 results[i] = SequenceResult.single(seqs[i], token, logprobs)
         if tree_row:
-            self._verify(shape, seqs, trees, tree_row, offsets, hidden, results, kept_rows)
+            n = trees.num_nodes
+            rows = self._tensor([offsets[i] + node for i in tree_row for node in range(n)])
+            logits = self.target.compute_logits(hidden[rows]).view(len(tree_row), n, -1)
+            self._verify(shape, seqs, trees, tree_row, offsets, logits, results, kept_rows)
+        return features, offsets
 
-        # 5. draft extend over what each sequence committed this step
-        self._extend(seqs, results, offsets, kept_rows, features)
-        if decision is not None and all(len(seq.token_ids) == 1 for seq in seqs):  # decode-only steps calibrate
-            self.adaptive.observe(decision, time.perf_counter() - started)
-        return [results[i] for i in range(len(seqs)) if seqs[i].sample]
+    def _graphed_plain_step(self, seqs, results) -> tuple[torch.Tensor, list[int]]:
+        """Steps 2 and 3 for a decode-only batch in which no request speculates."""
+        logits, features = self.graphs.plain.logits_and_features(seqs)
+        sampled = sample(logits, SamplingBatch.of(seqs))
+        for i, (token, logprobs) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
+            results[i] = SequenceResult.single(seqs[i], token, logprobs)
+        return features, list(range(len(seqs)))
+
+    def _graphed_tree_step(self, shape, seqs, results, kept_rows) -> tuple[torch.Tensor, list[int]]:
+        """Steps 1 to 4 for a batch in which every request speculates with the graphs' tree:
+        drafting and verification replay one graph, acceptance and compaction follow."""
+        states = [self.requests[seq.request_id].root for seq in seqs]
+        trees, logits, features = self.graphs.tree_step(
+            [seq.token_ids[0] for seq in seqs], torch.stack([s.logprobs for s in states]),
+            torch.stack([s.hidden for s in states]), [seq.num_cached for seq in seqs], [seq.page_table for seq in seqs])
+        self.stats.draft_passes += shape.steps - 1
+        offsets = [i * trees.num_nodes for i in range(len(seqs))]
+        self._verify(shape, seqs, trees, {i: i for i in range(len(seqs))}, offsets, logits, results, kept_rows)
+        return features, offsets
 
     def _decide(self, seqs: list[SequenceWork], eligible: list[int]):
         decoding = sum(1 for seq in seqs if seq.sample and len(seq.token_ids) == 1)
@@ -237,34 +274,25 @@ class Eagle3Runner(StepRunner):
     def _draft(self, shape: TreeShape, seqs: list[SequenceWork]) -> DraftTree:
         k = shape.topk
         states = [self.requests[seq.request_id].root for seq in seqs]
-        roots = [seq.num_cached for seq in seqs]
-        builder = TreeBuilder(self._tensor([seq.token_ids[0] for seq in seqs]).cpu(), k, shape.nodes)
-        frontier = builder.expand_root(torch.stack([s.logprobs for s in states]).cpu())
-        features = torch.stack([s.hidden for s in states]).unsqueeze(1).expand(-1, k, -1)  # [B, k, H]
-        ancestry = torch.arange(k).expand(len(seqs), k).unsqueeze(-1)  # [B, k, depth] scratch slot per depth
-        for depth in range(1, shape.steps):
-            spans = [
-                SequenceSpan(seq.page_table, n + (depth - 1) * k, k, scratch_mask(n, ancestry[b], k))
-                for b, (seq, n) in enumerate(zip(seqs, roots))
-            ]
-            positions = torch.tensor(roots).repeat_interleave(k) + depth - 1
-            input_ids = self.draft.draft_to_target[frontier.to(self.device)].reshape(-1)
-            logits, out = self.draft_pass(input_ids, features.reshape(-1, features.shape[-1]), positions, spans)
-            self.stats.draft_passes += 1
-            logprobs = torch.log_softmax(logits, dim=-1).view(len(seqs), k, -1).cpu()
-            frontier, parent_slot = builder.expand(logprobs)
-            features = out.view(len(seqs), k, -1)[torch.arange(len(seqs))[:, None], parent_slot.to(self.device)]
-            ancestry = torch.cat([ancestry.gather(1, parent_slot[..., None].expand(-1, -1, depth)),
-                                  torch.arange(k).expand(len(seqs), k).unsqueeze(-1)], dim=-1)
-        return builder.finish(self.draft.draft_to_target.cpu())
+
+        def context(f: int, masks: torch.Tensor) -> ForwardContext:
+            spans = [SequenceSpan(seq.page_table, seq.num_cached + (f - 1) * k, k, mask)
+                     for seq, mask in zip(seqs, masks)]
+            return ForwardContext(self.attention, self.attention.plan(spans), self.draft_kv)
+
+        self.stats.draft_passes += shape.steps - 1
+        return grow_trees(
+            self.draft, shape, self._tensor([seq.token_ids[0] for seq in seqs]),
+            torch.stack([s.logprobs for s in states]), torch.stack([s.hidden for s in states]),
+            self._tensor([seq.num_cached for seq in seqs]), context,
+        )
 
     # ---- 3. acceptance ---------------------------------------------------------------
-    def _verify(self, shape, seqs, trees: DraftTree, tree_row, offsets, hidden, results, kept_rows) -> None:
-        """Accept a path through every tree; all node logits in one batched pass."""
+    def _verify(self, shape, seqs, trees: DraftTree, tree_row, offsets, logits, results, kept_rows) -> None:
+        """Accept a path through every tree, given the target's logits at every node
+        [trees, nodes, vocab]; offsets[i] + node is the node's row of the step's features."""
         n = trees.num_nodes
         order = list(tree_row)  # sequence indices, in tree-row order
-        rows = [offsets[i] + node for i in order for node in range(n)]
-        logits = self.target.compute_logits(hidden[self._tensor(rows)]).view(len(order), n, -1)
         argmax = logits.argmax(dim=-1).tolist()
         sampling = [b for b, i in enumerate(order) if not seqs[i].params.greedy]
         probs = {}
@@ -345,27 +373,33 @@ class Eagle3Runner(StepRunner):
         return drained
 
     def _draft_extend(self, entries: list["_ExtendEntry"], step_features: torch.Tensor | None = None) -> None:
-        """One draft pass over every entry's tokens; entries that keep a root store the
-        draft's output at their last token. Entry features are row indices into
-        `step_features`, or tensors of their own (backlog)."""
-        token_ids, positions, spans, finals = [], [], [], []
-        for entry in entries:
-            token_ids.extend(entry.tokens)
-            positions.extend(range(entry.start, entry.start + len(entry.tokens)))
-            spans.append(SequenceSpan(entry.seq.page_table, entry.start, len(entry.tokens)))
-            if entry.keeps_root:
-                finals.append((entry.seq.request_id, len(token_ids) - 1, entry.start + len(entry.tokens)))
+        """One draft pass over every entry's tokens (through the extend graph when they fit
+        it); entries that keep a root store the draft's output at their last token. Entry
+        features are row indices into `step_features`, or tensors of their own (backlog)."""
         if all(isinstance(entry.features, list) for entry in entries):  # one gather for the whole step
             features = step_features[self._tensor([row for entry in entries for row in entry.features])]
         else:
             features = torch.cat([step_features[self._tensor(entry.features)] if isinstance(entry.features, list)
                                   else entry.features for entry in entries])
-        last = self._tensor([row for _, row, _ in finals])
-        logits, out = self.draft_pass(token_ids, features, positions, spans, logit_rows=last)
-        if finals:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            for (request_id, _, position), lp, h in zip(finals, logprobs, out[last]):
-                self._record(request_id).root = RootState(position, h, lp)
+        tables = [entry.seq.page_table for entry in entries]
+        starts = [entry.start for entry in entries]
+        tokens = [entry.tokens for entry in entries]
+        if self.graphs is not None and self.graphs.extend_holds(tokens, starts, tables):
+            logprobs, hidden = self.graphs.extend(tokens, features, starts, tables)
+        else:
+            logprobs, hidden = self._eager_extend(tokens, features, starts, tables)
+        for entry, lp, h in zip(entries, logprobs, hidden):
+            if entry.keeps_root:
+                self._record(entry.seq.request_id).root = RootState(entry.start + len(entry.tokens), h, lp)
+
+    def _eager_extend(self, tokens, features, starts, tables) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probabilities, hidden) of the draft at every entry's last token."""
+        spans = [SequenceSpan(table, start, len(entry)) for entry, start, table in zip(tokens, starts, tables)]
+        positions = [start + i for entry, start in zip(tokens, starts) for i in range(len(entry))]
+        last = self._tensor([len(entry) for entry in tokens]).cumsum(0) - 1
+        logits, out = self.draft_pass([t for entry in tokens for t in entry], features, positions, spans,
+                                      logit_rows=last)
+        return torch.log_softmax(logits, dim=-1), out[last]
 
 
 @dataclass

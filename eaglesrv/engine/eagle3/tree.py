@@ -146,13 +146,3 @@ class TreeBuilder:
 def _stable_best(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Indices of the `count` highest scores per row; ties go to the lower index."""
     return torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :count]
-
-
-def scratch_mask(root: int, ancestry: torch.Tensor, k: int) -> torch.Tensor:
-    """[k, root + depth*k] for one request's frontier: the committed prefix, plus the
-    scratch slot of every ancestor (and itself) at each depth. ancestry: [k, depth]."""
-    depth = ancestry.shape[1]
-    scratch = torch.zeros(k, depth * k, dtype=torch.bool)
-    columns = ancestry + torch.arange(depth) * k
-    scratch[torch.arange(k)[:, None], columns] = True
-    return torch.cat([torch.ones(k, root, dtype=torch.bool), scratch], dim=1)

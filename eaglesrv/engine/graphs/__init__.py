@@ -20,7 +20,12 @@ Parts
   block-table row per request in; logits out) on a `GraphRunner`, with the KV pool's
   padding page for padding rows. `PlainRunner` replays it for decode-only steps; the
   engine builder captures it at start-up on CUDA (`--cuda-graph-max-bs`,
-  `--disable-cuda-graph`). Speculative steps do not use graphs yet.
+  `--disable-cuda-graph`).
+- `eagle3_steps.py`: `Eagle3Graphs`, an EAGLE-3 server's graphs on one shared mechanism:
+  the tree step (the draft passes that grow the configured tree, its masks, and the
+  target's verification pass), the plain step (decode with the draft's feature layers) and
+  the draft extend (the committed tokens padded to a fixed width). Acceptance and K/V
+  compaction run on the host between the tree step and the extend.
 
 Random numbers under a graph
 A graph contains no random-number op (the stand-in refuses them). Sampling draws from
@@ -35,24 +40,25 @@ top-p, top-k, penalties) must likewise reach a graph as per-row tensors, never a
 values read during capture; the sampler as written still branches on them in Python and
 reads ids back with `.tolist()`, so it runs outside the graph until that is done.
 
-Open decision for the engine integration: adaptive speculation's shapes
+Adaptive speculation's shapes: the configured tree and plain steps replay, the rest is eager
 A graph is fixed to the shapes it was captured with, and each tree shape changes how many
 rows each request sends through the target pass (its nodes) and through each draft pass
 (its topk). The default speculative config (5 steps, topk 8, 32 nodes) gives the policy
 46 candidate shapes with 14 distinct node counts (`tree_shape.candidate_shapes`), so
 "one graph per shape per rung" is about a thousand graphs at `--cuda-graph-max-bs` 160:
-too many to capture at start-up or keep in memory. Candidates, in the order suggested:
-1. Key the target pass by its padded row count instead of (shape, batch size): positions,
-   slots, the tree mask and the row-to-request map are inputs, so any mix of plain rows
-   and tree rows with the same padded count replays one graph. Draft passes keyed by
-   (batch size, topk), a handful of values.
-2. Under graphs, restrict the policy's candidates to a few shapes (the chains, the
-   configured tree and a small ladder of node counts) and capture each per rung; shapes
-   outside the set run eagerly.
-3. Graph plain decoding only; speculative steps run eagerly.
-`GraphRunner` serves all three: one runner per key, sharing one `CaptureMechanism` (one
-memory pool), with `batch_sizes` given explicitly where a ladder other than the default
-one fits (row counts, or fewer rungs for rarely chosen shapes).
+too many to capture at start-up or keep in memory. What is captured, per rung:
+- the configured tree, for steps in which every request speculates with it (every decode
+  step of a static server; an adaptive server's steps at low load, where it picks the
+  largest tree);
+- the plain step, for steps in which no request speculates (an adaptive server under
+  load, which is where a graph's saving of launch overhead matters most on a GPU);
+- the draft extend, which any step's extends use when every entry fits its width.
+An adaptive step with a smaller tree, or with some requests speculating and others not,
+runs eagerly. The next candidate, if those steps turn out common on a GPU: key the target
+pass by its padded row count instead of (shape, batch size), since positions, slots, the
+tree mask and the row-to-request map are inputs, so any mix of plain rows and tree rows
+with the same padded count could replay one graph; draft passes keyed by (batch size,
+topk).
 """
 
 from eaglesrv.engine.graphs.capture import CapturedGraph, CaptureMechanism, GraphCaptureError, capture_mechanism_for

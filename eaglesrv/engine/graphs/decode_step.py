@@ -9,7 +9,10 @@ The inputs, one row per request: the token id, the cached length (which is also 
 token's position) and the request's row of the block table. Padding rows hold the KV
 pool's padding page in every column and a cached length of 0, so they write and read that
 page only. The attention backend builds its metadata from these tensors inside the graph
-(`AttentionBackend.decode_metadata`): nothing in the step reads a tensor on the host.
+(`AttentionBackend.uniform_metadata`): nothing in the step reads a tensor on the host.
+
+With `capture_layers` (an EAGLE-3 server's plain steps), the step also returns the
+target's features at those layers, which the draft extend or the adaptive backlog needs.
 
 Sampling runs after the replay, outside the graph (the sampler still branches on
 per-request parameters in Python; see the package doc).
@@ -35,14 +38,16 @@ class DecodeGraphs:
     def __init__(
         self, target: LlamaForCausalLM, kv: KVPool, attention: AttentionBackend, device: torch.device,
         max_batch_size: int, max_pages: int, mechanism: CaptureMechanism | None = None,
+        capture_layers: tuple[int, ...] = (),
     ) -> None:
         """`max_pages`: the widest page table a graph takes (a longer one runs eagerly)."""
-        if not attention.graph_safe_decode:
+        if not attention.graph_safe:
             raise ValueError(f"the {attention.name} attention backend cannot run in a graph")
         self.target = target
         self.kv = kv
         self.attention = attention
         self.device = device
+        self.capture_layers = capture_layers
         inputs = {
             "token_ids": StaticInput((), torch.long),
             "num_cached": StaticInput((), torch.int32),
@@ -65,18 +70,26 @@ class DecodeGraphs:
     def logits(self, sequences: Sequence[SequenceWork]) -> torch.Tensor:
         """[num_seqs, vocab] float32 logits of a decode-only batch. After a replay this is a
         view of the graph's static output: read it before the next call."""
+        return self._run(sequences)
+
+    def logits_and_features(self, sequences: Sequence[SequenceWork]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and [num_seqs, len(capture_layers) * hidden] features (with capture_layers)."""
+        return self._run(sequences)
+
+    def _run(self, sequences: Sequence[SequenceWork]):
         token_ids = torch.tensor([seq.token_ids[0] for seq in sequences], dtype=torch.long)
         num_cached = torch.tensor([seq.num_cached for seq in sequences], dtype=torch.int32)
         table = padded_block_table([seq.page_table for seq in sequences], self.kv.padding_page)
         inputs = {"token_ids": token_ids, "num_cached": num_cached, "block_table": table}
         return self.runner.run({name: tensor.to(self.device) for name, tensor in inputs.items()})
 
-    def _step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_cached = inputs["num_cached"]
-        metadata = self.attention.decode_metadata(inputs["block_table"], num_cached)
+        metadata = self.attention.uniform_metadata(inputs["block_table"], num_cached, 1)
         context = ForwardContext(self.attention, metadata, self.kv)
-        hidden, _ = self.target(inputs["token_ids"], num_cached.long(), context)
-        return self.target.compute_logits(hidden)
+        hidden, features = self.target(inputs["token_ids"], num_cached.long(), context, self.capture_layers)
+        logits = self.target.compute_logits(hidden)
+        return (logits, features) if self.capture_layers else logits
 
 
 def decode_graph_bytes(arch: ModelArch, dtype: torch.dtype, max_batch_size: int, attention: AttentionBackend,

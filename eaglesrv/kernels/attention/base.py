@@ -7,7 +7,12 @@ written into the cache at the slots their positions map to, then every query att
 over its sequence's keys [0, num_cached + num_new) under a mask:
 
     default (causal):  new token i sees keys j <= num_cached + i
-    custom (tree):     mask[i, j] given, shape [num_new, num_cached + num_new]
+    custom (tree):     mask[i, w] given for the last W keys, shape [num_new, W] with
+                       num_new <= W <= num_cached + num_new; the keys before them are
+                       all visible (a tree over a committed prefix)
+
+A custom mask's size does not depend on the context length, so a graph can hold it: a
+verified tree has W = num_new (the nodes), a draft pass W = its scratch slots.
 
 Paged layout: the cache of one layer is [num_pages * page_size, kv_heads, head_dim];
 token t of a sequence lives in slot page_table[t // page_size] * page_size + t % page_size.
@@ -32,7 +37,7 @@ class SequenceSpan:
     page_table: list[int]
     num_cached: int
     num_new: int
-    custom_mask: torch.Tensor | None = None  # [num_new, num_cached + num_new] bool, True = may attend
+    custom_mask: torch.Tensor | None = None  # [num_new, W] bool over the last W keys, True = may attend
 
 
 class AttentionMetadata:
@@ -41,8 +46,8 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
-    # Whether decode_metadata is implemented: only such a backend can run in a graph.
-    graph_safe_decode: bool = False
+    # Whether uniform_metadata is implemented: only such a backend can run in a graph.
+    graph_safe: bool = False
 
     def __init__(self, page_size: int, device: torch.device) -> None:
         self.page_size = page_size
@@ -52,13 +57,15 @@ class AttentionBackend(abc.ABC):
     def plan(self, spans: list[SequenceSpan]) -> AttentionMetadata:
         """Precompute slot mappings and masks for one forward pass."""
 
-    def decode_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor) -> AttentionMetadata:
-        """The metadata of a decode-only pass (one new token per sequence, causal), built
-        from device tensors by tensor ops alone, so that a graph can hold it: no host reads,
-        no shapes that depend on values. block_table [num_seqs, max_pages] int32 (columns
-        past a sequence's pages hold any valid page), num_cached [num_seqs] int32; the new
-        token of sequence i is at position num_cached[i]."""
-        raise NotImplementedError(f"the {self.name} attention backend has no graph-safe decode metadata")
+    def uniform_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor, num_new: int,
+                         tree_mask: torch.Tensor | None = None) -> AttentionMetadata:
+        """The metadata of a pass in which every sequence adds `num_new` tokens, built from
+        device tensors by tensor ops alone, so that a graph can hold it: no host reads, no
+        shapes that depend on values. block_table [num_seqs, max_pages] int32 (columns
+        past a sequence's pages hold any valid page), num_cached [num_seqs] int32; token i
+        of sequence b is at position num_cached[b] + i, packed b-major. Causal, or under
+        tree_mask [num_seqs, num_new, W] bool over each sequence's last W keys."""
+        raise NotImplementedError(f"the {self.name} attention backend has no graph-safe metadata")
 
     def decode_workspace_bytes(self, num_seqs: int, max_keys: int, num_kv_heads: int, head_dim: int,
                                dtype: torch.dtype) -> int:
@@ -86,12 +93,26 @@ def check_page_tables(spans: list[SequenceSpan], page_size: int) -> None:
 
 
 def checked_mask(span: SequenceSpan) -> torch.Tensor:
-    """The span's custom mask as a contiguous CPU bool tensor, after checking its shape."""
-    expected = (span.num_new, span.num_cached + span.num_new)
-    if tuple(span.custom_mask.shape) != expected:
-        raise ValueError(f"custom mask shape {tuple(span.custom_mask.shape)} != {expected}")
+    """The span's custom mask [num_new, W] as a contiguous CPU bool tensor, after checking its shape."""
+    rows, width = span.custom_mask.shape
+    if rows != span.num_new or not span.num_new <= width <= span.num_cached + span.num_new:
+        raise ValueError(f"custom mask shape {tuple(span.custom_mask.shape)}: expected [{span.num_new}, W] with "
+                         f"{span.num_new} <= W <= {span.num_cached + span.num_new}")
     return span.custom_mask.to(device="cpu", dtype=torch.bool).contiguous()
 
+
+def full_mask(span: SequenceSpan) -> torch.Tensor:
+    """[num_new, num_cached + num_new] CPU bool: the custom mask with its visible prefix spelled out."""
+    mask = checked_mask(span)
+    prefix = torch.ones(span.num_new, span.num_cached + span.num_new - mask.shape[1], dtype=torch.bool)
+    return torch.cat([prefix, mask], dim=1)
+
+
+def check_tree_mask(tree_mask: torch.Tensor, num_seqs: int, num_new: int) -> int:
+    """The width W of a uniform pass's tree mask [num_seqs, num_new, W], after checking its shape."""
+    if tree_mask.dim() != 3 or tuple(tree_mask.shape[:2]) != (num_seqs, num_new) or tree_mask.shape[2] < num_new:
+        raise ValueError(f"tree mask shape {tuple(tree_mask.shape)}: expected [{num_seqs}, {num_new}, W >= {num_new}]")
+    return tree_mask.shape[2]
 
 def first_rows(spans: list[SequenceSpan]) -> torch.Tensor:
     """Packed row of each span's first new token."""
@@ -121,12 +142,17 @@ def padded_block_table(page_tables: Sequence[Sequence[int]], fill: int = 0) -> t
     return block_table
 
 
-def decode_slots(block_table: torch.Tensor, num_cached: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[num_seqs] long: the cache slot of each sequence's token at position num_cached
+def token_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[num_seqs, Q] long: the cache slot of each sequence's tokens at positions [num_seqs, Q]
     (tensor ops only, graph-safe)."""
-    position = num_cached.long()
-    page = block_table.long().gather(1, (position // page_size)[:, None]).squeeze(1)
-    return page * page_size + position % page_size
+    positions = positions.long()
+    page = block_table.long().gather(1, positions // page_size)
+    return page * page_size + positions % page_size
+
+
+def uniform_positions(num_cached: torch.Tensor, num_new: int) -> torch.Tensor:
+    """[num_seqs, num_new] long: the positions of a uniform pass's new tokens."""
+    return num_cached.long()[:, None] + torch.arange(num_new, device=num_cached.device)
 
 
 def slot_positions(spans: list[SequenceSpan], page_size: int) -> list[list[int]]:

@@ -17,8 +17,8 @@ from eaglesrv.kernels.attention.base import (
     AttentionMetadata,
     SequenceSpan,
     check_page_tables,
-    checked_mask,
     first_rows,
+    full_mask,
     new_token_slots,
 )
 from eaglesrv.kernels.attention.cpu_build import load_cpu_attention
@@ -87,7 +87,7 @@ def _plan_rows(spans: list[SequenceSpan], starts: list[int]) -> KernelRows:
     for span, start in zip(spans, starts):
         table = span.page_table + [0] * (max_pages - len(span.page_table))
         total = span.num_cached + span.num_new
-        mask = checked_mask(span) if span.custom_mask is not None else None
+        mask = full_mask(span) if span.custom_mask is not None else None
         for i in range(span.num_new):
             rows.append(start + i)
             pages.append(table)

@@ -42,8 +42,7 @@ def self_check_failure(backend: AttentionBackend, heads: HeadShape, dtype: torch
     num_heads, num_kv_heads, head_dim = heads
     page, device = backend.page_size, backend.device
     g = torch.Generator().manual_seed(0)
-    tree = torch.cat([torch.ones(4, 20, dtype=torch.bool), torch.tensor(
-        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)], dim=1)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     shapes = [(37, 1, None), (5, 19, None), (20, 4, tree)]  # (cached, new, mask)
     pages_needed = [-(-(cached + new) // page) for cached, new, _ in shapes]
     order = torch.randperm(sum(pages_needed) + 2, generator=g).tolist()  # scattered pages

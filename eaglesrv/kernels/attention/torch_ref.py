@@ -23,10 +23,12 @@ from eaglesrv.kernels.attention.base import (
     AttentionMetadata,
     SequenceSpan,
     check_page_tables,
+    check_tree_mask,
     checked_mask,
-    decode_slots,
     first_rows,
     new_token_slots,
+    token_slots,
+    uniform_positions,
 )
 
 
@@ -45,29 +47,37 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    graph_safe_decode = True
+    graph_safe = True
 
     def plan(self, spans: list[SequenceSpan]) -> TorchAttentionMetadata:
         check_page_tables(spans, self.page_size)
         groups = plan_groups(spans, first_rows(spans), self.page_size, self.device)
         return TorchAttentionMetadata(new_slots=new_token_slots(spans, self.page_size).to(self.device), groups=groups)
 
-    def decode_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor) -> TorchAttentionMetadata:
+    def uniform_metadata(self, block_table, num_cached, num_new, tree_mask=None) -> TorchAttentionMetadata:
         """One group over every column of the block table, the keys past each sequence's
-        new token masked: the key count is fixed by the table's width, not by its values."""
+        new tokens masked: the key count is fixed by the table's width, not by its values."""
         num_seqs, max_pages = block_table.shape
-        key_pos = torch.arange(max_pages * self.page_size, device=block_table.device)
+        device = block_table.device
+        key_pos = torch.arange(max_pages * self.page_size, device=device)
         key_slots = block_table.long()[:, key_pos // self.page_size] * self.page_size + key_pos % self.page_size
-        mask = key_pos[None, :] <= num_cached.long()[:, None]  # [S, K]
-        query_rows = torch.arange(num_seqs, device=block_table.device)[:, None]
+        query_pos = uniform_positions(num_cached, num_new)  # [S, Q]
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [S, Q, K] causal
+        if tree_mask is not None:
+            width = check_tree_mask(tree_mask, num_seqs, num_new)
+            offset = key_pos[None, :] - (num_cached.long() + num_new - width)[:, None]  # [S, K] key in the tree part
+            in_tree = (offset >= 0) & (offset < width)
+            bits = tree_mask.gather(2, offset.clamp(0, width - 1)[:, None, :].expand(-1, num_new, -1))
+            mask = torch.where(in_tree[:, None, :], bits, mask)
         return TorchAttentionMetadata(
-            new_slots=decode_slots(block_table, num_cached, self.page_size),
-            groups=[SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask[:, None, None, :])],
+            new_slots=token_slots(block_table, query_pos, self.page_size).reshape(-1),
+            groups=[SpanGroup(query_rows=torch.arange(num_seqs * num_new, device=device).view(num_seqs, num_new),
+                              key_slots=key_slots, mask=mask[:, None])],
         )
 
     def decode_workspace_bytes(self, num_seqs, max_keys, num_kv_heads, head_dim, dtype) -> int:
         # The gathered keys and values (and their copies in the query's layout), the key
-        # slots and the mask: decode_metadata spans the block table's full width.
+        # slots and the mask: uniform_metadata spans the block table's full width.
         element = dtype.itemsize
         return num_seqs * max_keys * (4 * num_kv_heads * head_dim * element + 8 + 1)
 
@@ -140,9 +150,10 @@ def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, 
     query_pos = torch.arange(size)
     mask = (key_pos[None, None, :] <= cached[:, None, None] + query_pos[None, :, None]) & key_valid[:, None, :]
     for g, span in enumerate(spans):
-        if span.custom_mask is not None:
-            mask[g, :, : span.num_cached + size] = checked_mask(span)
-            mask[g, :, span.num_cached + size :] = False
+        if span.custom_mask is not None:  # the keys before the mask's are visible under the causal rule too
+            custom = checked_mask(span)
+            total = span.num_cached + size
+            mask[g, :, total - custom.shape[1] : total] = custom
     query_rows = first_rows[:, None] + query_pos[None, :]
     return SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask.unsqueeze(1))
 

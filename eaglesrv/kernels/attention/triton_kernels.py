@@ -23,8 +23,9 @@ Metadata (built by TritonAttentionBackend.plan):
     num_cached    [num_seqs] int32              keys already in the cache
     query_start   [num_seqs + 1] int32          packed row of each sequence's first new token
     mask_offset   [num_seqs] int32              start of its custom mask in `masks`, -1 = causal
-    masks         [*] uint8                     custom masks [num_new, num_cached + num_new],
-                                                row-major, back to back
+    mask_width    [num_seqs] int32              W: the mask covers the last W keys, the ones
+                                                before are visible (W >= num_new)
+    masks         [*] uint8                     custom masks [num_new, W], row-major, back to back
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _sequence_of_tile(query_start_ptr, num_seqs, tile, TOKENS_PER_TILE: tl.const
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_table_ptr, num_cached_ptr, query_start_ptr, mask_offset_ptr, masks_ptr,
+    block_table_ptr, num_cached_ptr, query_start_ptr, mask_offset_ptr, mask_width_ptr, masks_ptr,
     num_seqs, scale_log2,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_cache_slot, stride_cache_head, stride_table,
@@ -113,6 +114,8 @@ def paged_attention_kernel(
         key_end = num_cached + tl.minimum(first + TOKENS_PER_TILE, num_new)
         if HAS_MASKS:
             mask_offset = tl.load(mask_offset_ptr + seq)
+            mask_width = tl.load(mask_width_ptr + seq)
+            mask_start = num_keys - mask_width  # keys before it are cached ones, visible to every row
             key_end = tl.where(mask_offset < 0, key_end, num_keys)
 
         running_max = tl.full((BLOCK_M,), -1.0e30, tl.float32)
@@ -139,9 +142,9 @@ def paged_attention_kernel(
             allowed = row_valid[:, None] & key_valid[None, :]
             causal = keys[None, :] <= (num_cached + token)[:, None]
             if HAS_MASKS:
-                custom = mask_offset >= 0
+                custom = (mask_offset >= 0) & (keys[None, :] >= mask_start)
                 bits = tl.load(
-                    masks_ptr + mask_offset + token[:, None] * num_keys + keys[None, :],
+                    masks_ptr + mask_offset + token[:, None] * mask_width + (keys[None, :] - mask_start),
                     mask=allowed & custom, other=0,
                 )
                 allowed = allowed & tl.where(custom, bits != 0, causal)
@@ -200,7 +203,8 @@ def _attention_build(dtype: str, head_dim: int, group: int, max_new: int, has_ma
         HAS_MASKS=has_masks, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST_LOADS=False,
     )
     data = {name: _TYPES[dtype] for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
-    index = {name: "*i32" for name in ("block_table_ptr", "num_cached_ptr", "query_start_ptr", "mask_offset_ptr")}
+    index = {name: "*i32" for name in ("block_table_ptr", "num_cached_ptr", "query_start_ptr", "mask_offset_ptr",
+                                       "mask_width_ptr")}
     pointers = {**data, **index, "masks_ptr": "*u8"}
     # Strides that are multiples of the head size; max_pages and num_seqs may be anything.
     strides = ("stride_q_token", "stride_q_head", "stride_out_token", "stride_out_head", "stride_cache_slot",

@@ -4,8 +4,13 @@ plan() turns the spans into a handful of device tensors with a few vectorized to
 and one host-to-device copy of an int32 buffer (plus one of the custom masks, when any
 span has one):
 
-    int32 buffer  [block_table (num_seqs x max_pages) | num_cached | query_start | mask_offset | new_slots]
-    masks         uint8, every custom mask row-major back to back (mask_offset[b] = its start, -1 = causal)
+    int32 buffer  [block_table (num_seqs x max_pages) | num_cached | query_start | mask_offset | mask_width
+                   | new_slots]
+    masks         uint8, every custom mask [num_new, W] row-major back to back (mask_offset[b] = its
+                  start, -1 = causal; mask_width[b] = its W)
+
+uniform_metadata() builds the same tensors on the device for a pass in which every sequence
+adds the same number of tokens (a decode step, a verified tree, a draft pass), for graphs.
 
 forward() launches two kernels (triton_kernels.py), each wrapped as a torch custom op so
 that graph capture and torch.compile see one op per launch: store the new K/V at new_slots,
@@ -26,9 +31,11 @@ from eaglesrv.kernels.attention.base import (
     AttentionMetadata,
     SequenceSpan,
     check_page_tables,
+    check_tree_mask,
     checked_mask,
-    decode_slots,
     padded_block_table,
+    token_slots,
+    uniform_positions,
 )
 from eaglesrv.kernels.attention.triton_kernels import (
     attention_blocks,
@@ -45,6 +52,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     num_cached: torch.Tensor  # [num_seqs] int32
     query_start: torch.Tensor  # [num_seqs + 1] int32
     mask_offset: torch.Tensor  # [num_seqs] int32, -1 = causal
+    mask_width: torch.Tensor  # [num_seqs] int32, W of each custom mask
     masks: torch.Tensor  # [*] uint8 (one unused element when no span has a mask)
     new_slots: torch.Tensor  # [num_tokens] int32 cache slot of each new token
     max_new: int  # the most tokens any span adds: picks the query tile
@@ -53,7 +61,7 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    graph_safe_decode = True
+    graph_safe = True
 
     def __init__(self, page_size: int, device: torch.device) -> None:
         if not triton_usable(device):
@@ -64,22 +72,25 @@ class TritonAttentionBackend(AttentionBackend):
         check_page_tables(spans, self.page_size)
         return plan_metadata(spans, self.page_size, self.device)
 
-    def decode_metadata(self, block_table: torch.Tensor, num_cached: torch.Tensor) -> TritonAttentionMetadata:
+    def uniform_metadata(self, block_table, num_cached, num_new, tree_mask=None) -> TritonAttentionMetadata:
         num_seqs, device = block_table.shape[0], block_table.device
+        seqs = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+        width = 0 if tree_mask is None else check_tree_mask(tree_mask, num_seqs, num_new)
+        slots = token_slots(block_table, uniform_positions(num_cached, num_new), self.page_size)
         return TritonAttentionMetadata(
-            block_table=block_table, num_cached=num_cached,
-            query_start=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-            mask_offset=torch.full((num_seqs,), -1, dtype=torch.int32, device=device),
-            masks=torch.zeros(1, dtype=torch.uint8, device=device),
-            new_slots=decode_slots(block_table, num_cached, self.page_size).to(torch.int32),
-            max_new=1, has_masks=False,
+            block_table=block_table, num_cached=num_cached, query_start=seqs * num_new,
+            mask_offset=seqs[:-1] * (num_new * width) if width else torch.full_like(seqs[:-1], -1),
+            mask_width=torch.full_like(seqs[:-1], width),
+            masks=tree_mask.reshape(-1).to(torch.uint8) if width else torch.zeros(1, dtype=torch.uint8, device=device),
+            new_slots=slots.reshape(-1).to(torch.int32), max_new=num_new, has_masks=bool(width),
         )
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: TritonAttentionMetadata, scale: float):
         torch.ops.eaglesrv.triton_store_kv(k, v, k_cache, v_cache, metadata.new_slots)
         return torch.ops.eaglesrv.triton_paged_attention(
             q, k_cache, v_cache, metadata.block_table, metadata.num_cached, metadata.query_start,
-            metadata.mask_offset, metadata.masks, self.page_size, scale, metadata.max_new, metadata.has_masks,
+            metadata.mask_offset, metadata.mask_width, metadata.masks, self.page_size, scale, metadata.max_new,
+            metadata.has_masks,
         )
 
 
@@ -99,22 +110,25 @@ def plan_metadata(spans: list[SequenceSpan], page_size: int, device: torch.devic
 
     masked = [i for i, s in enumerate(spans) if s.custom_mask is not None]
     mask_offset = torch.full((num_seqs,), -1, dtype=torch.int32)
+    mask_width = torch.zeros(num_seqs, dtype=torch.int32)
     masks = torch.zeros(1, dtype=torch.uint8)
     if masked:
-        flat = [checked_mask(spans[i]).reshape(-1) for i in masked]
-        sizes = torch.tensor([m.numel() for m in flat], dtype=torch.int64)
+        custom = [checked_mask(spans[i]) for i in masked]
+        sizes = torch.tensor([m.numel() for m in custom], dtype=torch.int64)
         if int(sizes.sum()) >= 2**31:
             raise ValueError("custom masks too large for int32 offsets")
         mask_offset[masked] = (sizes.cumsum(0) - sizes).to(torch.int32)
-        masks = torch.cat(flat).to(torch.uint8)
+        mask_width[masked] = torch.tensor([m.shape[1] for m in custom], dtype=torch.int32)
+        masks = torch.cat([m.reshape(-1) for m in custom]).to(torch.uint8)
 
     # One copy to the device for every index tensor, then views into it.
-    buffer = torch.cat([block_table.reshape(-1), num_cached, query_start, mask_offset, new_slots.to(torch.int32)])
+    buffer = torch.cat([block_table.reshape(-1), num_cached, query_start, mask_offset, mask_width,
+                        new_slots.to(torch.int32)])
     buffer = _to_device(buffer, device)
-    parts = buffer.split([block_table.numel(), num_seqs, num_seqs + 1, num_seqs, len(new_slots)])
+    parts = buffer.split([block_table.numel(), num_seqs, num_seqs + 1, num_seqs, num_seqs, len(new_slots)])
     return TritonAttentionMetadata(
         block_table=parts[0].view(num_seqs, max_pages), num_cached=parts[1], query_start=parts[2],
-        mask_offset=parts[3], masks=_to_device(masks, device), new_slots=parts[4],
+        mask_offset=parts[3], mask_width=parts[4], masks=_to_device(masks, device), new_slots=parts[5],
         max_new=int(num_new.max()) if num_seqs else 0, has_masks=bool(masked),
     )
 
@@ -151,8 +165,8 @@ def _(k, v, k_cache, v_cache, slots) -> None:
 @torch.library.custom_op("eaglesrv::triton_paged_attention", mutates_args=())
 def triton_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    num_cached: torch.Tensor, query_start: torch.Tensor, mask_offset: torch.Tensor, masks: torch.Tensor,
-    page_size: int, scale: float, max_new: int, has_masks: bool,
+    num_cached: torch.Tensor, query_start: torch.Tensor, mask_offset: torch.Tensor, mask_width: torch.Tensor,
+    masks: torch.Tensor, page_size: int, scale: float, max_new: int, has_masks: bool,
 ) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim]: every packed query row attended over its sequence's
     cached keys (see triton_kernels.py for the tiling and the metadata)."""
@@ -170,7 +184,7 @@ def triton_paged_attention(
     block_m, block_n, block_d, num_warps = attention_blocks(group, max_new, head_dim, k_cache.dtype == torch.float32)
     num_tiles = num_tokens // (block_m // group) + num_seqs
     paged_attention_kernel[(num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, out, block_table, num_cached, query_start, mask_offset, masks,
+        q, k_cache, v_cache, out, block_table, num_cached, query_start, mask_offset, mask_width, masks,
         num_seqs, scale * math.log2(math.e),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
@@ -182,8 +196,8 @@ def triton_paged_attention(
 
 
 @triton_paged_attention.register_fake
-def _(q, k_cache, v_cache, block_table, num_cached, query_start, mask_offset, masks, page_size, scale, max_new,
-      has_masks) -> torch.Tensor:
+def _(q, k_cache, v_cache, block_table, num_cached, query_start, mask_offset, mask_width, masks, page_size, scale,
+      max_new, has_masks) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
