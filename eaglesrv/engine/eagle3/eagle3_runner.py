@@ -8,7 +8,8 @@ Per step, for the batch the scheduler chose:
               plain decodes; capturing the three feature layers for every token
   3. accept   greedy or tree rejection sampling per tree; plain sampling for the rest
   4. compact  the accepted nodes' K/V move next to the root, so the sequence stays
-              contiguous in its pages (the scheduler then frees the pages past it)
+              contiguous in its pages (the scheduler then frees the pages past it);
+              greedy acceptance and compaction are batched device ops (kernels/eagle3/)
   5. extend   one draft pass over the newly committed tokens, shifted by one:
               draft position i reads (token i + 1, target features at i). Its last
               output is the root state the next step drafts from.
@@ -43,7 +44,7 @@ from eaglesrv.engine.eagle3.drafting import grow_trees
 from eaglesrv.engine.eagle3.request_state import RootState, SpecRequestState
 from eaglesrv.engine.eagle3.stats import SpecStats
 from eaglesrv.engine.eagle3.tree import DraftTree
-from eaglesrv.engine.eagle3.verify import accept_greedy, accept_sampling
+from eaglesrv.engine.eagle3.verify import Acceptance, accept_sampling
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.graphs.decode_step import DecodeGraphs
 from eaglesrv.engine.graphs.eagle3_steps import Eagle3Graphs
@@ -52,7 +53,8 @@ from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, compute_logprobs, processed_probs, request_uniforms, sample
 from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.engine.tree_shape import TreeShape
-from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
+from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan, padded_block_table
+from eaglesrv.kernels.eagle3 import compact_kv, greedy_accept
 from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, SequenceWork
 
 
@@ -80,6 +82,9 @@ class Eagle3Runner(StepRunner):
         self.stats = SpecStats(spec.num_steps)
         self.adaptive = adaptive  # None: every step uses the configured tree (static)
         self.graphs = graphs  # the configured tree's decode steps and the draft extend, captured (CUDA)
+        # Acceptance and compaction through the Triton kernels beside Triton attention (a
+        # GPU, or the tests' interpreter); their torch references otherwise.
+        self.step_kernels = attention.name == "triton"
 
     @property
     def mode(self) -> str:
@@ -290,10 +295,11 @@ class Eagle3Runner(StepRunner):
     # ---- 3. acceptance ---------------------------------------------------------------
     def _verify(self, shape, seqs, trees: DraftTree, tree_row, offsets, logits, results, kept_rows) -> None:
         """Accept a path through every tree, given the target's logits at every node
-        [trees, nodes, vocab]; offsets[i] + node is the node's row of the step's features."""
+        [trees, nodes, vocab]; offsets[i] + node is the node's row of the step's features.
+        Greedy trees are walked on the device in one batched op, sampled ones on the host."""
         n = trees.num_nodes
         order = list(tree_row)  # sequence indices, in tree-row order
-        argmax = logits.argmax(dim=-1).tolist()
+        acceptances = self._accept_greedy_trees(shape, trees, logits, [seqs[i].params.greedy for i in order])
         sampling = [b for b, i in enumerate(order) if not seqs[i].params.greedy]
         probs = {}
         if sampling:
@@ -304,14 +310,13 @@ class Eagle3Runner(StepRunner):
         node_tokens = trees.tokens.tolist()
         for b, i in enumerate(order):
             seq = seqs[i]
-            children = trees.children(b)
+            children = trees.children(b) if b in probs or self.adaptive is not None else None
             if b in probs:
                 first = len(seq.output_token_ids)
                 draws = shape.topk + 1
-                acceptance = accept_sampling(node_tokens[b], children, probs[b],
-                                             lambda d, s=seq.seed, f=first: request_uniforms(s, f + d, draws))
-            else:
-                acceptance = accept_greedy(node_tokens[b], children, argmax[b])
+                acceptances[b] = accept_sampling(node_tokens[b], children, probs[b],
+                                                 lambda d, s=seq.seed, f=first: request_uniforms(s, f + d, draws))
+            acceptance = acceptances[b]
             self.stats.record(len(acceptance.path))
             if self.adaptive is not None:
                 self.adaptive.acceptance.record(shape, trees.trials(b, children, acceptance.path),
@@ -321,19 +326,31 @@ class Eagle3Runner(StepRunner):
             logprobs = compute_logprobs(logits[b][self._tensor(chooser)], tokens, [seq.params] * len(tokens))
             results[i] = SequenceResult(tokens, len(chooser), [lp for lp in logprobs if lp is not None], True)
             kept_rows[i] = [offsets[i] + node for node in chooser]
-            self._compact(self.target_kv, seq, acceptance.path)
+        self._compact([seqs[i] for i in order], [acceptances[b] for b in range(len(order))], shape.steps)
+
+    def _accept_greedy_trees(self, shape, trees: DraftTree, logits, greedy: list[bool]) -> dict[int, Acceptance]:
+        """Tree row -> acceptance for the greedy rows (kernels/eagle3/acceptance.py), read
+        back to the host once."""
+        rows = [b for b, is_greedy in enumerate(greedy) if is_greedy]
+        if not rows:
+            return {}
+        index = self._tensor(rows)
+        accepted, lengths, bonus = greedy_accept(trees.tokens[index], trees.parents[index],
+                                                 logits[index].argmax(dim=-1), shape.steps, self.step_kernels)
+        return {b: Acceptance(nodes[1:length], token)
+                for b, nodes, length, token in zip(rows, accepted.tolist(), lengths.tolist(), bonus.tolist())}
 
     # ---- 4. compaction ---------------------------------------------------------------
-    def _compact(self, kv: KVPool, seq: SequenceWork, path: list[int]) -> None:
-        moves = [(seq.num_cached + node, seq.num_cached + 1 + d) for d, node in enumerate(path) if node != d + 1]
-        if not moves:
-            return
-        page = kv.page_size
-        slot = lambda pos: seq.page_table[pos // page] * page + pos % page  # noqa: E731
-        source = self._tensor([slot(src) for src, _ in moves])
-        target = self._tensor([slot(dst) for _, dst in moves])
-        kv.k[:, target] = kv.k[:, source]  # the gather copies first, so overlaps are safe
-        kv.v[:, target] = kv.v[:, source]
+    def _compact(self, seqs: list[SequenceWork], acceptances: list[Acceptance], depth: int) -> None:
+        """Move every tree's accepted nodes' K/V next to its root, in one op (kernels/eagle3/compaction.py)."""
+        accepted = torch.full((len(seqs), depth + 1), -1, dtype=torch.long)
+        for row, acceptance in enumerate(acceptances):
+            accepted[row, : len(acceptance.path) + 1] = torch.tensor([0] + acceptance.path)
+        lengths = torch.tensor([len(acceptance.path) + 1 for acceptance in acceptances])
+        table = padded_block_table([seq.page_table for seq in seqs])
+        roots = torch.tensor([seq.num_cached for seq in seqs], dtype=torch.int32)
+        compact_kv(self.target_kv.k, self.target_kv.v, accepted.to(self.device), lengths.to(self.device),
+                   table.to(self.device), roots.to(self.device), self.target_kv.page_size, self.step_kernels)
 
     # ---- 5. draft extend -------------------------------------------------------------
     def _extend(self, seqs, results, offsets, kept_rows, features) -> None:

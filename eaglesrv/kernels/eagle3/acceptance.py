@@ -26,13 +26,14 @@ from eaglesrv.kernels.triton_support import triton_usable
 
 
 def greedy_accept(
-    tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor, max_depth: int
+    tokens: torch.Tensor, parents: torch.Tensor, target_argmax: torch.Tensor, max_depth: int, kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(accepted_nodes, accept_length, bonus) for every tree (see the module docstring)."""
+    """(accepted_nodes, accept_length, bonus) for every tree (see the module docstring);
+    `kernel=False` runs the torch reference even where Triton could run."""
     batch, num_nodes = tokens.shape
     if not 0 <= max_depth < num_nodes:
         raise ValueError(f"max_depth {max_depth} must be in [0, {num_nodes - 1}] for trees of {num_nodes} nodes")
-    if not triton_usable(tokens.device):
+    if not (kernel and triton_usable(tokens.device)):
         return greedy_accept_reference(tokens, parents, target_argmax, max_depth)
     from eaglesrv.kernels.eagle3.acceptance_kernel import greedy_accept_op
 

@@ -28,12 +28,13 @@ from eaglesrv.kernels.triton_support import triton_usable
 
 def compact_kv(
     k_pool: torch.Tensor, v_pool: torch.Tensor, accepted_nodes: torch.Tensor, accept_length: torch.Tensor,
-    block_table: torch.Tensor, root_position: torch.Tensor, page_size: int,
+    block_table: torch.Tensor, root_position: torch.Tensor, page_size: int, kernel: bool = True,
 ) -> None:
-    """Move every request's accepted K/V next to its root, in place."""
+    """Move every request's accepted K/V next to its root, in place; `kernel=False` runs
+    the torch reference even where Triton could run."""
     if k_pool.shape != v_pool.shape or k_pool.stride() != v_pool.stride():
         raise ValueError("k_pool and v_pool must have the same shape and strides")
-    if not triton_usable(k_pool.device):
+    if not (kernel and triton_usable(k_pool.device)):
         compact_kv_reference(k_pool, v_pool, accepted_nodes, accept_length, block_table, root_position, page_size)
         return
     if k_pool.stride(3) != 1 or k_pool.stride(2) != k_pool.shape[3]:
