@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eaglesrv.kernels.attention import SequenceSpan, create_attention_backend
-from eaglesrv.kernels.attention.base import full_mask, padded_block_table, slot_positions
+from eaglesrv.kernels.attention.base import full_mask, padded_block_table
+from eaglesrv.kernels.attention.layout import PassLayout
 
 PAGE = 4
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -21,6 +22,18 @@ def naive_attention(q, k, v, mask):
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def slot_positions(spans, page_size: int) -> list[list[int]]:
+    """The oracle, one token at a time: the cache slot of every token 0 .. num_cached +
+    num_new - 1 of each sequence."""
+    return [[span.page_table[t // page_size] * page_size + t % page_size
+             for t in range(span.num_cached + span.num_new)] for span in spans]
+
+
+def span_new_slots(spans, page_size: int) -> list[int]:
+    """The oracle's slots of the new tokens, packed in span order."""
+    return [slot for span, slots in zip(spans, slot_positions(spans, page_size)) for slot in slots[span.num_cached:]]
 
 
 def random_case(spans_shape, seed=0, custom=False, heads=(HEADS, KV_HEADS, DIM), page_size=PAGE):
@@ -109,6 +122,23 @@ def check_against_naive(shape, custom, backend_name, dtype, heads=(HEADS, KV_HEA
         torch.testing.assert_close(out[offset : offset + span.num_new], expected, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(k_cache[slots], k)  # new keys stored at their slots
         offset += span.num_new
+
+
+def test_pass_layout_equals_the_token_by_token_oracle():
+    spans, *_ = random_case([(5, 6), (0, 3), (13, 1), (40, 70)], custom=True, page_size=4)
+    spans[1] = SequenceSpan(spans[1].page_table, 0, 3)  # a causal one among the masked
+    layout = PassLayout.of(spans, 4)
+    assert layout.new_slots.tolist() == span_new_slots(spans, 4)
+    assert layout.query_start.tolist() == [0, 6, 9, 10, 80]
+    assert layout.token_seq.tolist() == [0] * 6 + [1] * 3 + [2] + [3] * 70
+    assert layout.positions.tolist() == [*range(5, 11), *range(3), 13, *range(40, 110)]
+    for row, span in zip(layout.block_table.tolist(), spans):
+        assert row[: len(span.page_table)] == span.page_table and not any(row[len(span.page_table):])
+    masked = [span.custom_mask for span in spans if span.custom_mask is not None]
+    assert layout.mask_offset.tolist()[1] == -1 and layout.mask_width.tolist()[1] == 0
+    assert [width for width in layout.mask_width.tolist() if width] == [m.shape[1] for m in masked]
+    assert torch.equal(layout.masks, torch.cat([m.reshape(-1) for m in masked]))
+    assert padded_block_table([[3, 1], [], [7]], fill=9).tolist() == [[3, 1], [9, 9], [7, 9]]
 
 
 def check_uniform_metadata(backend_name: str, dtype: torch.dtype, num_new: int, width: int | None) -> None:

@@ -15,7 +15,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from eaglesrv.engine.eagle3.tree import TreeBuilder
 from eaglesrv.engine.eagle3.verify import accept_greedy
 from eaglesrv.kernels.attention.base import SequenceSpan
-from eaglesrv.kernels.attention.base import new_token_slots as span_slots
 from eaglesrv.kernels.eagle3 import (
     acceptance,
     compact_kv,
@@ -64,6 +63,8 @@ def depth_of(parents: list[int]) -> int:
 # ---- 1. new-token slots ---------------------------------------------------------------
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_new_token_slots_equal_the_span_computation(page_size):
+    from test_attention import span_new_slots
+
     rng = random.Random(page_size)
     shapes = [(0, 37), (20, 1), (50, 8), (0, 0), (63, 1), (5, 19), (31, 0), (7, 2)]  # (num_cached, num_new)
     free = list(range(400))
@@ -73,7 +74,7 @@ def test_new_token_slots_equal_the_span_computation(page_size):
     num_cached = torch.tensor([s.num_cached for s in spans], dtype=torch.int32)
     qo_indptr = torch.tensor([0] + [s.num_new for s in spans]).cumsum(0).to(torch.int32)
     num_tokens = int(qo_indptr[-1])
-    expected = span_slots(spans, page_size)
+    expected = torch.tensor(span_new_slots(spans, page_size), dtype=torch.long)
 
     assert torch.equal(new_token_slots_reference(table, num_cached, qo_indptr, page_size, num_tokens), expected)
     slots = new_token_slots(table, num_cached, qo_indptr, page_size, num_tokens)

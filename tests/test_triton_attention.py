@@ -13,7 +13,6 @@ from conftest import engine_config
 
 from eaglesrv.configs import RuntimeConfig
 from eaglesrv.kernels.attention import SequenceSpan, create_attention_backend, resolve_backend_name
-from eaglesrv.kernels.attention.base import new_token_slots
 from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 from eaglesrv.kernels.triton_support import triton_usable
 
@@ -97,9 +96,11 @@ def test_batch_shapes_match_torch(shape, heads, dtype):
 
 
 def test_plan_builds_the_tables_the_kernels_read():
+    from test_attention import span_new_slots
+
     spans, *_ = random_batch(MIXED, (4, 2, 16), 4, torch.float32)
     metadata = create_attention_backend("triton", 4, CPU).plan(spans)
-    assert metadata.new_slots.tolist() == new_token_slots(spans, 4).tolist()
+    assert metadata.new_slots.tolist() == span_new_slots(spans, 4)
     assert metadata.query_start.tolist() == [0, 1, 21, 27, 34, 35, 40]
     assert metadata.num_cached.tolist() == [c for c, _, _ in MIXED]
     for row, span in zip(metadata.block_table.tolist(), spans):

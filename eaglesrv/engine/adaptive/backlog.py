@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from eaglesrv.kernels.attention.base import SequenceSpan, new_token_slots
+from eaglesrv.kernels.attention.base import SequenceSpan
+from eaglesrv.kernels.attention.layout import new_token_slots
 
 DEFAULT_LIMIT = 2048  # tokens per request
 

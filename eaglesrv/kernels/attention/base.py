@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -87,11 +88,6 @@ class AttentionBackend(abc.ABC):
         """Store the new K/V in the cache, then attend."""
 
 
-def check_page_tables(spans: list[SequenceSpan], page_size: int) -> None:
-    if any(len(s.page_table) * page_size < s.num_cached + s.num_new for s in spans):
-        raise ValueError("a page table is too short for its sequence")
-
-
 def checked_mask(span: SequenceSpan) -> torch.Tensor:
     """The span's custom mask [num_new, W] as a contiguous CPU bool tensor, after checking its shape."""
     rows, width = span.custom_mask.shape
@@ -114,31 +110,16 @@ def check_tree_mask(tree_mask: torch.Tensor, num_seqs: int, num_new: int) -> int
         raise ValueError(f"tree mask shape {tuple(tree_mask.shape)}: expected [{num_seqs}, {num_new}, W >= {num_new}]")
     return tree_mask.shape[2]
 
-def first_rows(spans: list[SequenceSpan]) -> torch.Tensor:
-    """Packed row of each span's first new token."""
-    sizes = torch.tensor([s.num_new for s in spans], dtype=torch.long)
-    return sizes.cumsum(0) - sizes
-
-
-def new_token_slots(spans: list[SequenceSpan], page_size: int) -> torch.Tensor:
-    """[num_tokens] cache slot of every new token, packed in span order."""
-    slots = [
-        span.page_table[t // page_size] * page_size + t % page_size
-        for span in spans
-        for t in range(span.num_cached, span.num_cached + span.num_new)
-    ]
-    return torch.tensor(slots, dtype=torch.long)
-
-
-def padded_block_table(page_tables: Sequence[Sequence[int]], fill: int = 0) -> torch.Tensor:
-    """[num_seqs, longest table (at least 1)] int32: each row a page table, padded with `fill`."""
-    num_pages = torch.tensor([len(table) for table in page_tables], dtype=torch.long)
-    pages = torch.tensor([page for table in page_tables for page in table], dtype=torch.int32)
+def padded_block_table(page_tables: Sequence[Sequence[int]], fill: int = 0,
+                       num_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_seqs, longest table (at least 1)] int32: each row a page table, padded with
+    `fill`. num_pages: the tables' lengths, when the caller has them as a tensor already."""
+    if num_pages is None:
+        num_pages = torch.tensor([len(table) for table in page_tables], dtype=torch.long)
+    pages = torch.tensor(list(chain.from_iterable(page_tables)), dtype=torch.int32)
     width = max(1, int(num_pages.max())) if len(page_tables) else 1
     block_table = torch.full((len(page_tables), width), fill, dtype=torch.int32)
-    rows = torch.repeat_interleave(torch.arange(len(page_tables)), num_pages)
-    columns = torch.arange(len(pages)) - torch.repeat_interleave(num_pages.cumsum(0) - num_pages, num_pages)
-    block_table[rows, columns] = pages
+    block_table[torch.arange(width) < num_pages[:, None]] = pages  # row-major, as `pages` is packed
     return block_table
 
 
@@ -153,14 +134,3 @@ def token_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: i
 def uniform_positions(num_cached: torch.Tensor, num_new: int) -> torch.Tensor:
     """[num_seqs, num_new] long: the positions of a uniform pass's new tokens."""
     return num_cached.long()[:, None] + torch.arange(num_new, device=num_cached.device)
-
-
-def slot_positions(spans: list[SequenceSpan], page_size: int) -> list[list[int]]:
-    """Cache slot of every token 0 .. num_cached + num_new - 1 of each sequence."""
-    slots = []
-    for span in spans:
-        total = span.num_cached + span.num_new
-        if len(span.page_table) * page_size < total:
-            raise ValueError(f"page table of {len(span.page_table)} pages cannot hold {total} tokens")
-        slots.append([span.page_table[t // page_size] * page_size + t % page_size for t in range(total)])
-    return slots

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from eaglesrv.kernels.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    SequenceSpan,
-    check_page_tables,
-    first_rows,
-    full_mask,
-    new_token_slots,
-)
+from eaglesrv.kernels.attention.base import AttentionBackend, AttentionMetadata, SequenceSpan, full_mask
 from eaglesrv.kernels.attention.cpu_build import load_cpu_attention
+from eaglesrv.kernels.attention.layout import PassLayout
 from eaglesrv.kernels.attention.torch_ref import SpanGroup, attend_groups, plan_groups, store_new_kv
 
 KERNEL_MAX_NEW_TOKENS = 64
@@ -55,13 +49,11 @@ class CpuAttentionBackend(AttentionBackend):
         self._ops = load_cpu_attention()
 
     def plan(self, spans: list[SequenceSpan]) -> CpuAttentionMetadata:
-        check_page_tables(spans, self.page_size)
-        starts = first_rows(spans)
-        large = [i for i, s in enumerate(spans) if s.num_new > KERNEL_MAX_NEW_TOKENS]
-        small = [i for i, s in enumerate(spans) if s.num_new <= KERNEL_MAX_NEW_TOKENS]
-        groups = plan_groups([spans[i] for i in large], starts[large], self.page_size, self.device) if large else []
-        kernel = _plan_rows([spans[i] for i in small], starts[small].tolist()) if small else None
-        return CpuAttentionMetadata(new_token_slots(spans, self.page_size), groups, kernel)
+        layout = PassLayout.of(spans, self.page_size)
+        large = layout.num_new.numpy() > KERNEL_MAX_NEW_TOKENS
+        groups = plan_groups(layout, np.flatnonzero(large).tolist(), self.device) if large.any() else []
+        kernel = _plan_rows(layout, ~large) if not large.all() else None
+        return CpuAttentionMetadata(layout.new_slots, groups, kernel)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: CpuAttentionMetadata, scale: float):
         store_new_kv(k, v, k_cache, v_cache, metadata.new_slots)
@@ -80,30 +72,30 @@ class CpuAttentionBackend(AttentionBackend):
         return out
 
 
-def _plan_rows(spans: list[SequenceSpan], starts: list[int]) -> KernelRows:
-    max_pages = max(len(s.page_table) for s in spans)
-    rows, pages, num_keys, mask_offsets, masks = [], [], [], [], []
-    mask_length = 0
-    for span, start in zip(spans, starts):
-        table = span.page_table + [0] * (max_pages - len(span.page_table))
-        total = span.num_cached + span.num_new
-        mask = full_mask(span) if span.custom_mask is not None else None
-        for i in range(span.num_new):
-            rows.append(start + i)
-            pages.append(table)
-            if mask is None:
-                num_keys.append(span.num_cached + i + 1)  # causal
-                mask_offsets.append(-1)
-            else:
-                num_keys.append(total)
-                mask_offsets.append(mask_length + i * total)
-        if mask is not None:
-            masks.append(mask.reshape(-1))
-            mask_length += mask.numel()
-    return KernelRows(
-        rows=torch.tensor(rows, dtype=torch.long),
-        row_pages=torch.tensor(pages, dtype=torch.long),
-        row_num_keys=torch.tensor(num_keys, dtype=torch.long),
-        row_mask_offset=torch.tensor(mask_offsets, dtype=torch.long),
-        masks=torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool),
+def _plan_rows(layout: PassLayout, small: np.ndarray) -> KernelRows:
+    """The kernel's rows: every new token of the sequences marked `small` [S] (numpy, as
+    the layout's arithmetic). The kernel reads a custom mask over all of a row's keys, so
+    the masks are spelled out in full."""
+    token_seq, positions = layout.token_seq.numpy(), layout.positions.numpy()
+    num_cached = layout.num_cached.numpy().astype(np.int64)
+    total = num_cached + layout.num_new.numpy()
+    custom = layout.mask_offset.numpy() >= 0
+    rows = np.flatnonzero(small[token_seq])
+    seq = token_seq[rows]
+    full_offset = np.full(len(layout.spans), -1, dtype=np.int64)
+    masks = torch.zeros(0, dtype=torch.bool)
+    masked = np.flatnonzero(custom & small)
+    if len(masked):
+        spelled = [full_mask(layout.spans[i]).reshape(-1) for i in masked]
+        sizes = np.array([mask.numel() for mask in spelled])
+        full_offset[masked] = np.cumsum(sizes) - sizes
+        masks = torch.cat(spelled)
+    row_positions, row_total, row_custom = positions[rows], total[seq], custom[seq]
+    num_pages = -(-int(total[small].max()) // layout.page_size)
+    arrays = (
+        rows,
+        layout.block_table.numpy()[seq, :num_pages].astype(np.int64),
+        np.where(row_custom, row_total, row_positions + 1),  # causal: keys up to the row's own
+        np.where(row_custom, full_offset[seq] + (row_positions - num_cached[seq]) * row_total, -1),
     )
+    return KernelRows(*(torch.from_numpy(np.ascontiguousarray(array)) for array in arrays), masks=masks)

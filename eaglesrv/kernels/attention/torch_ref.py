@@ -13,6 +13,7 @@ instead of padding every decode in the step to its length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +23,11 @@ from eaglesrv.kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     SequenceSpan,
-    check_page_tables,
     check_tree_mask,
-    checked_mask,
-    first_rows,
-    new_token_slots,
     token_slots,
     uniform_positions,
 )
+from eaglesrv.kernels.attention.layout import PassLayout
 
 
 @dataclass
@@ -50,9 +48,9 @@ class TorchAttentionBackend(AttentionBackend):
     graph_safe = True
 
     def plan(self, spans: list[SequenceSpan]) -> TorchAttentionMetadata:
-        check_page_tables(spans, self.page_size)
-        groups = plan_groups(spans, first_rows(spans), self.page_size, self.device)
-        return TorchAttentionMetadata(new_slots=new_token_slots(spans, self.page_size).to(self.device), groups=groups)
+        layout = PassLayout.of(spans, self.page_size)
+        return TorchAttentionMetadata(new_slots=layout.new_slots.to(self.device),
+                                      groups=plan_groups(layout, range(len(spans)), self.device))
 
     def uniform_metadata(self, block_table, num_cached, num_new, tree_mask=None) -> TorchAttentionMetadata:
         """One group over every column of the block table, the keys past each sequence's
@@ -94,16 +92,15 @@ def store_new_kv(k, v, k_cache, v_cache, new_slots: torch.Tensor) -> None:
     v_cache.index_copy_(0, new_slots, v.to(v_cache.dtype))
 
 
-def plan_groups(spans: list[SequenceSpan], span_first_rows: torch.Tensor, page_size: int, device) -> list[SpanGroup]:
-    """Groups of same-size, similar-length sequences; span_first_rows[i] is the packed row of
-    span i's first new token."""
+def plan_groups(layout: PassLayout, members: Sequence[int], device) -> list[SpanGroup]:
+    """Groups of same-size, similar-length sequences among `members` (span indices)."""
     by_size: dict[int, list[int]] = {}
-    for index, span in enumerate(spans):
-        by_size.setdefault(span.num_new, []).append(index)
+    for index in members:
+        by_size.setdefault(layout.spans[index].num_new, []).append(index)
     return [
-        _to(_plan_group([spans[i] for i in members], span_first_rows[members], size, page_size), device)
+        _to(_plan_group(layout, bucket, size), device)
         for size, same_size in by_size.items()
-        for members in _length_buckets(same_size, spans)
+        for bucket in _length_buckets(same_size, layout.spans)
     ]
 
 
@@ -137,24 +134,24 @@ def _length_buckets(members: list[int], spans: list[SequenceSpan], ratio: float 
     return [[index for index, _ in bucket] for bucket in buckets]
 
 
-def _plan_group(spans: list[SequenceSpan], first_rows: torch.Tensor, size: int, page_size: int) -> SpanGroup:
+def _plan_group(layout: PassLayout, members: list[int], size: int) -> SpanGroup:
     """Tensors for sequences that all add `size` tokens."""
-    cached = torch.tensor([s.num_cached for s in spans])
+    page_size = layout.page_size
+    index = torch.tensor(members)
+    cached = layout.num_cached[index].long()
     total = cached + size
-    max_pages = max(len(s.page_table) for s in spans)
-    page_tables = torch.tensor([s.page_table + [0] * (max_pages - len(s.page_table)) for s in spans])
     key_pos = torch.arange(int(total.max()))  # [K]
     key_valid = key_pos < total[:, None]  # [G, K]
-    pages = page_tables.gather(1, (key_pos // page_size).expand(len(spans), -1))
+    pages = layout.block_table[index].long().gather(1, (key_pos // page_size).expand(len(members), -1))
     key_slots = torch.where(key_valid, pages * page_size + key_pos % page_size, 0)
     query_pos = torch.arange(size)
     mask = (key_pos[None, None, :] <= cached[:, None, None] + query_pos[None, :, None]) & key_valid[:, None, :]
-    for g, span in enumerate(spans):
-        if span.custom_mask is not None:  # the keys before the mask's are visible under the causal rule too
-            custom = checked_mask(span)
-            total = span.num_cached + size
-            mask[g, :, total - custom.shape[1] : total] = custom
-    query_rows = first_rows[:, None] + query_pos[None, :]
+    for g, span_index in enumerate(members):  # the keys before a custom mask's are visible under the causal rule
+        offset, width = int(layout.mask_offset[span_index]), int(layout.mask_width[span_index])
+        if offset >= 0:
+            end = int(total[g])
+            mask[g, :, end - width : end] = layout.masks[offset : offset + size * width].view(size, width)
+    query_rows = layout.query_start[index].long()[:, None] + query_pos[None, :]
     return SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask.unsqueeze(1))
 
 

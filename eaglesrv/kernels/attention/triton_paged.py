@@ -1,8 +1,8 @@
 """The Triton backend: paged attention on CUDA (and, for tests, in Triton's CPU interpreter).
 
-plan() turns the spans into a handful of device tensors with a few vectorized torch ops
-and one host-to-device copy of an int32 buffer (plus one of the custom masks, when any
-span has one):
+plan() copies the pass's layout (layout.py, a few vectorized torch ops over the spans) to
+the device in one host-to-device copy of an int32 buffer (plus one of the custom masks,
+when any span has one):
 
     int32 buffer  [block_table (num_seqs x max_pages) | num_cached | query_start | mask_offset | mask_width
                    | new_slots]
@@ -30,13 +30,11 @@ from eaglesrv.kernels.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     SequenceSpan,
-    check_page_tables,
     check_tree_mask,
-    checked_mask,
-    padded_block_table,
     token_slots,
     uniform_positions,
 )
+from eaglesrv.kernels.attention.layout import PassLayout
 from eaglesrv.kernels.attention.triton_kernels import (
     attention_blocks,
     paged_attention_kernel,
@@ -69,7 +67,6 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(page_size, device)
 
     def plan(self, spans: list[SequenceSpan]) -> TritonAttentionMetadata:
-        check_page_tables(spans, self.page_size)
         return plan_metadata(spans, self.page_size, self.device)
 
     def uniform_metadata(self, block_table, num_cached, num_new, tree_mask=None) -> TritonAttentionMetadata:
@@ -95,41 +92,17 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 def plan_metadata(spans: list[SequenceSpan], page_size: int, device: torch.device) -> TritonAttentionMetadata:
-    num_seqs = len(spans)
-    num_cached = torch.tensor([s.num_cached for s in spans], dtype=torch.int32)
-    num_new = torch.tensor([s.num_new for s in spans], dtype=torch.int32)
-    query_start = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    torch.cumsum(num_new, 0, out=query_start[1:])
-
-    block_table = padded_block_table([s.page_table for s in spans])
-    max_pages = block_table.shape[1]
-
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs), num_new.long())
-    position = num_cached[token_seq] + torch.arange(len(token_seq), dtype=torch.int32) - query_start[token_seq]
-    new_slots = block_table[token_seq, (position // page_size).long()] * page_size + position % page_size
-
-    masked = [i for i, s in enumerate(spans) if s.custom_mask is not None]
-    mask_offset = torch.full((num_seqs,), -1, dtype=torch.int32)
-    mask_width = torch.zeros(num_seqs, dtype=torch.int32)
-    masks = torch.zeros(1, dtype=torch.uint8)
-    if masked:
-        custom = [checked_mask(spans[i]) for i in masked]
-        sizes = torch.tensor([m.numel() for m in custom], dtype=torch.int64)
-        if int(sizes.sum()) >= 2**31:
-            raise ValueError("custom masks too large for int32 offsets")
-        mask_offset[masked] = (sizes.cumsum(0) - sizes).to(torch.int32)
-        mask_width[masked] = torch.tensor([m.shape[1] for m in custom], dtype=torch.int32)
-        masks = torch.cat([m.reshape(-1) for m in custom]).to(torch.uint8)
-
+    layout = PassLayout.of(spans, page_size)
+    num_seqs, max_pages = layout.block_table.shape
     # One copy to the device for every index tensor, then views into it.
-    buffer = torch.cat([block_table.reshape(-1), num_cached, query_start, mask_offset, mask_width,
-                        new_slots.to(torch.int32)])
-    buffer = _to_device(buffer, device)
-    parts = buffer.split([block_table.numel(), num_seqs, num_seqs + 1, num_seqs, num_seqs, len(new_slots)])
+    parts = [layout.block_table.reshape(-1), layout.num_cached, layout.query_start, layout.mask_offset,
+             layout.mask_width, layout.new_slots.to(torch.int32)]
+    buffer = _to_device(torch.cat(parts), device).split([len(part) for part in parts])
+    masks = layout.masks.to(torch.uint8) if layout.has_masks else torch.zeros(1, dtype=torch.uint8)
     return TritonAttentionMetadata(
-        block_table=parts[0].view(num_seqs, max_pages), num_cached=parts[1], query_start=parts[2],
-        mask_offset=parts[3], mask_width=parts[4], masks=_to_device(masks, device), new_slots=parts[5],
-        max_new=int(num_new.max()) if num_seqs else 0, has_masks=bool(masked),
+        block_table=buffer[0].view(num_seqs, max_pages), num_cached=buffer[1], query_start=buffer[2],
+        mask_offset=buffer[3], mask_width=buffer[4], masks=_to_device(masks, device), new_slots=buffer[5],
+        max_new=layout.max_new, has_masks=layout.has_masks,
     )
 
 
