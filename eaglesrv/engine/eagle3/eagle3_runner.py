@@ -201,8 +201,8 @@ class Eagle3Runner(StepRunner):
                 results[i] = SequenceResult.single(seqs[i], token, logprobs)
         if tree_row:
             n = trees.num_nodes
-            rows = self._tensor([offsets[i] + node for i in tree_row for node in range(n)])
-            logits = self.target.compute_logits(hidden[rows]).view(len(tree_row), n, -1)
+            rows = (self._tensor([offsets[i] for i in tree_row])[:, None] + torch.arange(n, device=self.device))
+            logits = self.target.compute_logits(hidden[rows.reshape(-1)]).view(len(tree_row), n, -1)
             self._verify(shape, seqs, trees, tree_row, offsets, logits, results, kept_rows)
         return features, offsets
 
