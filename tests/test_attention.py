@@ -197,3 +197,28 @@ def test_auto_picks_the_cpu_kernel_and_falls_back_to_torch_without_it(monkeypatc
     monkeypatch.setattr(cpu_build, "load_cpu_attention", no_compiler)
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
     assert create_attention_backend("auto", PAGE, torch.device("cpu")).name == "torch"
+
+
+def test_the_cpu_kernel_build_is_one_at_a_time(tmp_path):
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from eaglesrv.kernels.attention.cpu_build import _build_lock
+
+    fake_extension = SimpleNamespace(get_default_build_root=lambda: str(tmp_path / "builds"))
+    inside, overlaps = [], []
+
+    def build():
+        with _build_lock("kernel", fake_extension):
+            overlaps.append(len(inside))
+            inside.append(1)
+            time.sleep(0.05)
+            inside.pop()
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlaps == [0, 0, 0]

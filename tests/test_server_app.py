@@ -111,7 +111,37 @@ def test_overload_is_503_and_slots_come_back():
 
     refused, accepted, again = run(main())
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+    assert refused.headers["Retry-After"] == "1"
     assert accepted.status_code == 200 and again.status_code == 200
+
+
+LIMITS = dict(max_queued_requests=2, max_stop_strings=2, max_stop_string_length=5, max_stop_token_ids=2,
+              max_choices_per_request=4)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c"]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": "abcdef"}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [1, 2, 3]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ["x", "y", "z"], "n": 2}, "n"),  # 6 generations, 4 allowed
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 3}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
+    ("/generate", {"text": ["a"] * 5, "sampling_params": {}}, "text"),
+    ("/generate", {"input_ids": [[1]] * 5, "sampling_params": {}}, "input_ids"),
+    ("/generate", {"text": "x", "sampling_params": {"stop": "abcdef"}}, "sampling_params.stop"),
+    ("/generate", {"text": "x", "sampling_params": {"stop_token_ids": [1, 2, 3]}}, "sampling_params.stop_token_ids"),
+    ("/v1/completions", {"prompt": ["x", "y"], "n": 2}, "n"),  # 4 generations: allowed, but more than 1 + 2 fit
+], ids=["stops", "stop-length", "stop-ids", "prompts-x-n", "chat-stops", "chat-n", "generate-batch",
+        "generate-id-batch", "generate-stop-length", "generate-stop-ids", "beyond-capacity"])
+def test_limits_are_400s_naming_the_field_before_anything_runs(path, body, param):
+    async def main():
+        app, state, client, tokenizer = make_app([5, 6], **LIMITS)
+        async with http_client(app) as http:
+            return await http.post(path, json={"max_tokens": 2, **body} if path != "/generate" else body), client
+
+    response, client = run(main())
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param and not client.added
 
 
 def test_stop_string_match_aborts_the_engine_request():
@@ -158,6 +188,7 @@ def test_dead_engine_mid_stream_ends_the_stream_with_an_error_event():
     response = run(main())
     assert response.status_code == 200
     assert '"error"' in response.text and "boom" in response.text and response.text.endswith("data: [DONE]\n\n")
+    assert '"code": "service_unavailable"' in response.text  # as the 503 a request gets outside a stream
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/generate"])

@@ -14,6 +14,7 @@ from typing import Any
 from eaglesrv.configs.errors import require
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,11 @@ class ServerConfig:
     """How the API process listens, whom it admits, and how it shuts down.
 
     max_queued_requests: requests allowed to wait beyond the engine's running cap
-        (--max-running-requests); further ones are answered 503. None: no limit.
+        (--max-running-requests); further ones are answered 503 with Retry-After. None: no
+        limit (not reachable from the command line).
+    max_stop_strings, max_stop_string_length, max_stop_token_ids: per request; stop strings
+        are scanned at every token of every choice, so their size is bounded.
+    max_choices_per_request: prompts x n of one request (each is an engine request).
     shutdown_timeout_s: on SIGTERM, how long in-flight requests may take to finish
         before they are cut off.
     """
@@ -31,8 +36,12 @@ class ServerConfig:
     api_key: str | None = None
     log_level: str = "info"
     enable_metrics: bool = False
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS
     max_request_bytes: int = 32 << 20
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1024
+    max_stop_token_ids: int = 256
+    max_choices_per_request: int = 1024
     shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -46,6 +55,11 @@ class ServerConfig:
         )
         require(self.max_request_bytes >= 1024,
                 f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        for flag, value in (("--max-stop-strings", self.max_stop_strings),
+                            ("--max-stop-string-length", self.max_stop_string_length),
+                            ("--max-stop-token-ids", self.max_stop_token_ids),
+                            ("--max-choices-per-request", self.max_choices_per_request)):
+            require(value >= 1, f"{flag} must be at least 1, got {value}")
         require(self.shutdown_timeout_s >= 0,
                 f"--graceful-shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
 
@@ -70,8 +84,15 @@ SERVER_FLAGS: tuple[_ServerFlag, ...] = (
     _ServerFlag(("--log-level",), "log_level", "Logging level of both processes.", str.lower, LOG_LEVELS),
     _ServerFlag(("--enable-metrics",), "enable_metrics", "Serve Prometheus metrics at /metrics.", store_true=True),
     _ServerFlag(("--max-queued-requests",), "max_queued_requests",
-                "Requests allowed to queue beyond --max-running-requests; more are refused with 503.", int,
+                "Requests allowed to queue beyond --max-running-requests; more are refused with 503 and "
+                "Retry-After.", int, metavar="N"),
+    _ServerFlag(("--max-stop-strings",), "max_stop_strings", "Most stop strings per request.", int, metavar="N"),
+    _ServerFlag(("--max-stop-string-length",), "max_stop_string_length", "Longest stop string, in characters.",
+                int, metavar="CHARS"),
+    _ServerFlag(("--max-stop-token-ids",), "max_stop_token_ids", "Most stop token ids per request.", int,
                 metavar="N"),
+    _ServerFlag(("--max-choices-per-request",), "max_choices_per_request",
+                "Most generations one request may ask for: prompts x n.", int, metavar="N"),
     _ServerFlag(("--max-request-bytes",), "max_request_bytes", "Largest request body; larger ones get 413.", int,
                 metavar="BYTES"),
     _ServerFlag(("--graceful-shutdown-timeout",), "shutdown_timeout_s",

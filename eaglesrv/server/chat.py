@@ -31,8 +31,9 @@ from eaglesrv.server.generation import (
 from eaglesrv.server.openai_protocol import ChatCompletionRequest
 from eaglesrv.server.request_prep import (
     chat_prompt_ids,
+    check_choices,
     check_prompt,
-    check_stop_token_ids,
+    check_stop_rules,
     openai_sampling_params,
     with_choice_seed,
 )
@@ -58,10 +59,11 @@ class ChatHandler:
         info = state.require_serving()
         state.check_model(body.model)
         tokenizer = state.require_tokenizer("chat")
+        check_choices(state.server_config, 1, body.n)
+        check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         self.prompt_ids = chat_prompt_ids(tokenizer, messages)
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
-        check_stop_token_ids(body.stop_token_ids, info)
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
         self.params = openai_sampling_params(info, body, self.top_n)
         self.state = state

@@ -30,10 +30,12 @@ from eaglesrv.server.generation import (
 )
 from eaglesrv.server.openai_protocol import CompletionRequest
 from eaglesrv.server.request_prep import (
+    check_choices,
     check_prompt,
-    check_stop_token_ids,
+    check_stop_rules,
     completion_prompts,
     openai_sampling_params,
+    prompt_list,
     with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
@@ -60,10 +62,12 @@ class CompletionHandler:
         body.refuse_unsupported()
         info = state.require_serving()
         state.check_model(body.model)
-        self.prompts = completion_prompts(body.prompt, state.tokenizer)
+        prompts = prompt_list(body.prompt)
+        check_choices(state.server_config, len(prompts), body.n)
+        check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
+        self.prompts = completion_prompts(prompts, state.tokenizer)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, body.output_limit, param="prompt")
-        check_stop_token_ids(body.stop_token_ids, info)
         self.params = openai_sampling_params(info, body, body.logprobs)
         self.state = state
         self.body = body

@@ -30,12 +30,14 @@ _TYPES = {
 class APIError(Exception):
     """Raise from a handler to answer with this status and message."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503 for overload
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
@@ -46,7 +48,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error envelope; a 503 without a code of its own says service_unavailable."""
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    if code is None and status == 503:
+        code = "service_unavailable"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -69,7 +74,7 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

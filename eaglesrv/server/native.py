@@ -28,7 +28,14 @@ from eaglesrv.server.generation import (
     run_choice,
     stream_error,
 )
-from eaglesrv.server.request_prep import build_sampling_params, check_prompt, check_stop_token_ids, completion_prompts
+from eaglesrv.server.request_prep import (
+    build_sampling_params,
+    check_choices,
+    check_prompt,
+    check_stop_rules,
+    completion_prompts,
+    prompt_list,
+)
 from eaglesrv.server.state import ServerState
 
 
@@ -114,7 +121,10 @@ def _flag_values(state: ServerState) -> dict:
         values[flag.names[0].removeprefix("--").replace("-", "_")] = getattr(group, flag.field)
     server = state.server_config
     values.update(host=server.host, port=server.port, log_level=server.log_level,
-                  enable_metrics=server.enable_metrics, max_queued_requests=server.max_queued_requests)
+                  enable_metrics=server.enable_metrics, max_queued_requests=server.max_queued_requests,
+                  max_stop_strings=server.max_stop_strings, max_stop_string_length=server.max_stop_string_length,
+                  max_stop_token_ids=server.max_stop_token_ids,
+                  max_choices_per_request=server.max_choices_per_request)
     return values
 
 
@@ -124,11 +134,15 @@ class GenerateHandler:
         if (body.text is None) == (body.input_ids is None):
             raise bad_request("give exactly one of text and input_ids", param="text")
         self.batched = isinstance(body.text, list) or bool(body.input_ids and isinstance(body.input_ids[0], list))
-        self.prompts = completion_prompts(body.text if body.text is not None else body.input_ids, state.tokenizer)
+        prompts = prompt_list(body.text if body.text is not None else body.input_ids)
+        param = "text" if body.text is not None else "input_ids"
+        check_choices(state.server_config, len(prompts), 1, param=param)
         sp = body.sampling_params
+        self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
+        check_stop_rules(state.server_config, info, self.stop_strings, sp.stop_token_ids, prefix="sampling_params.")
+        self.prompts = completion_prompts(prompts, state.tokenizer)
         for prompt_ids in self.prompts:
-            check_prompt(prompt_ids, info, sp.max_new_tokens, param="text" if body.text is not None else "input_ids")
-        check_stop_token_ids(sp.stop_token_ids, info)
+            check_prompt(prompt_ids, info, sp.max_new_tokens, param=param)
         self.params = build_sampling_params(
             info, max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
@@ -136,9 +150,6 @@ class GenerateHandler:
             min_tokens=sp.min_new_tokens,
             logprobs=body.top_logprobs_num if body.return_logprob else None,
         )
-        self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
-        if any(not s for s in self.stop_strings):
-            raise bad_request("stop strings must not be empty", param="sampling_params.stop")
         self.state = state
         self.body = body
         self.id = new_id("gen")

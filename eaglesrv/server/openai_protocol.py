@@ -132,7 +132,3 @@ class CompletionRequest(SamplingFields):
 def _refuse_common(request: SamplingFields) -> None:
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
-    if isinstance(request.stop, list) and any(not s for s in request.stop):
-        raise bad_request("stop strings must not be empty", param="stop")
-    if request.stop == "":
-        raise bad_request("stop strings must not be empty", param="stop")

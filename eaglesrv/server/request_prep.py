@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from eaglesrv.configs import ServerConfig
 from eaglesrv.engine.protocol import EngineInfo
 from eaglesrv.sampling_params import InvalidSamplingParams, SamplingParams
 from eaglesrv.server.errors import bad_request
@@ -86,10 +87,34 @@ def check_prompt(token_ids: Sequence[int], info: EngineInfo, max_tokens: int | N
         )
 
 
-def check_stop_token_ids(stop_token_ids: Sequence[int] | None, info: EngineInfo) -> None:
-    for token in stop_token_ids or ():
+def check_stop_rules(limits: ServerConfig, info: EngineInfo, stop_strings: Sequence[str],
+                     stop_token_ids: Sequence[int] | None, prefix: str = "") -> None:
+    """400 for stop strings or stop token ids beyond the server's limits or the vocabulary
+    (`prefix`: where the fields sit in the body, e.g. "sampling_params.")."""
+    if len(stop_strings) > limits.max_stop_strings:
+        raise bad_request(f"{len(stop_strings)} stop strings; at most {limits.max_stop_strings} are allowed "
+                          "(--max-stop-strings)", param=f"{prefix}stop")
+    longest = max(map(len, stop_strings), default=0)
+    if longest > limits.max_stop_string_length:
+        raise bad_request(f"a stop string of {longest} characters; at most {limits.max_stop_string_length} are "
+                          "allowed (--max-stop-string-length)", param=f"{prefix}stop")
+    if any(not stop for stop in stop_strings):
+        raise bad_request("stop strings must not be empty", param=f"{prefix}stop")
+    stop_token_ids = stop_token_ids or ()
+    if len(stop_token_ids) > limits.max_stop_token_ids:
+        raise bad_request(f"{len(stop_token_ids)} stop token ids; at most {limits.max_stop_token_ids} are allowed "
+                          "(--max-stop-token-ids)", param=f"{prefix}stop_token_ids")
+    for token in stop_token_ids:
         if not 0 <= token < info.vocab_size:
-            raise bad_request(f"stop token id {token} is outside the vocabulary", param="stop_token_ids")
+            raise bad_request(f"stop token id {token} is outside the vocabulary", param=f"{prefix}stop_token_ids")
+
+
+def check_choices(limits: ServerConfig, num_prompts: int, n: int, param: str = "n") -> None:
+    """400 when prompts x n is beyond --max-choices-per-request; checked before any tokenizing."""
+    if num_prompts * n > limits.max_choices_per_request:
+        raise bad_request(f"the request asks for {num_prompts} x {n} = {num_prompts * n} generations (prompts x n); "
+                          f"at most {limits.max_choices_per_request} are allowed (--max-choices-per-request)",
+                          param=param)
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -107,14 +132,18 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return encode_text(tokenizer, text, add_special_tokens=False)
 
 
-def completion_prompts(prompt: str | list, tokenizer) -> list[list[int]]:
-    """OpenAI's prompt forms (a string, strings, token ids, lists of token ids) as id lists."""
+def prompt_list(prompt: str | list) -> list:
+    """OpenAI's prompt forms (a string, strings, token ids, lists of token ids) as a list of
+    prompts, each a string or token ids, not yet encoded."""
     if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def completion_prompts(prompts: list, tokenizer) -> list[list[int]]:
+    """prompt_list's prompts as id lists."""
     if not prompts:
         raise bad_request("the prompt is empty", param="prompt")
     encoded = []

@@ -15,6 +15,8 @@ from eaglesrv.engine.protocol import EngineInfo
 from eaglesrv.server.errors import APIError
 from eaglesrv.server.metrics import ServerMetrics
 
+OVERLOAD_RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
+
 
 class ServerState:
     def __init__(self, server_config: ServerConfig, engine_config: EngineConfig, client: EngineClient) -> None:
@@ -82,9 +84,15 @@ class ServerState:
         """
         info = self.require_serving()
         queued_cap = self.server_config.max_queued_requests
-        if queued_cap is not None and self._admitted + num_requests > info.max_running_requests + queued_cap:
-            raise APIError(503, f"the server is overloaded ({self._admitted} requests in flight); retry later",
-                           code="overloaded")
+        if queued_cap is not None:
+            capacity = info.max_running_requests + queued_cap
+            if num_requests > capacity:
+                raise APIError(400, f"the request asks for {num_requests} generations (prompts x n), more than this "
+                                    f"server ever holds at once ({capacity}: --max-running-requests "
+                                    "+ --max-queued-requests)", param="n")
+            if self._admitted + num_requests > capacity:
+                raise APIError(503, f"the server is overloaded ({self._admitted} requests in flight); retry later",
+                               code="overloaded", headers={"Retry-After": str(OVERLOAD_RETRY_AFTER_S)})
         self._admitted += num_requests
         released = False
 

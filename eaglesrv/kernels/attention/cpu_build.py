@@ -9,6 +9,8 @@ image, a shared home directory) builds afresh instead of loading code that may n
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -50,12 +52,24 @@ def load_cpu_attention() -> ModuleType:
     if not _is_built(cpp_extension, name):
         logger.info("compiling the CPU paged-attention kernel (once per machine, about 30 s)")
     try:
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                      extra_ldflags=LDFLAGS, verbose=False)
+        with _build_lock(name, cpp_extension):
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                          extra_ldflags=LDFLAGS, verbose=False)
     except Exception as error:  # compiler missing, headers missing, ninja missing...
         raise RuntimeError(f"could not build the CPU attention kernel: {error}") from error
     logger.info("CPU paged-attention kernel ready in %.1f s", time.monotonic() - started)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(name: str, cpp_extension):
+    """One build or load at a time per machine: two servers starting together on a fresh
+    machine otherwise race on the build directory, and one fails to link."""
+    root = Path(cpp_extension.get_default_build_root())
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _is_built(cpp_extension, name: str) -> bool:
