@@ -6,6 +6,7 @@ No model and no subprocess, so these run in about a second."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -203,3 +204,49 @@ def test_api_key_is_checked_in_constant_time_and_health_is_open(path):
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     assert health.status_code == 200
     assert admitted.status_code == 400  # past the key check: the empty body is the problem now
+
+
+class _SlowTokenizer:
+    """The byte-level tokenizer, with every encode taking `seconds` (outside the GIL, as a
+    fast tokenizer's does) and counted."""
+
+    def __init__(self, tokenizer, seconds: float) -> None:
+        self._tokenizer, self.seconds, self.encodes = tokenizer, seconds, 0
+
+    def encode(self, text, **kwargs):
+        self.encodes += 1
+        time.sleep(self.seconds)
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+async def probe_health(http: httpx.AsyncClient, until: asyncio.Task, every: float = 0.02) -> float:
+    """The longest time between two /health answers while `until` runs, a pause of `every`
+    included (so a loop blocked between probes counts too)."""
+    longest, last = 0.0, time.monotonic()
+    while not until.done():
+        assert (await http.get("/health")).status_code == 200
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+        await asyncio.sleep(every)
+    return longest
+
+
+@pytest.mark.parametrize("prompt,status", [("hello " * 5, 200), ("x" * 10_000_000, 400)], ids=["slow", "10MB"])
+def test_tokenizing_stays_off_the_event_loop(prompt, status):
+    async def main():
+        app, state, client, tokenizer = make_app([5, 6])
+        slow = _SlowTokenizer(tokenizer, seconds=0.6)
+        state.set_ready(INFO, slow)
+        async with http_client(app) as http:
+            request = asyncio.create_task(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}))
+            longest = await probe_health(http, request)
+            return await request, longest, slow.encodes
+
+    response, longest, encodes = run(main())
+    assert response.status_code == status, response.text
+    assert longest < 0.2  # without the preparation worker a probe waits out the whole encode
+    if status == 400:  # too long for the context whatever it tokenizes to: never tokenized
+        assert response.json()["error"]["code"] == "context_length_exceeded" and encodes == 0

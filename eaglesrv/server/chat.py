@@ -46,7 +46,8 @@ def chat_router(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
-        return await ChatHandler(state, body).respond(request)
+        handler = await state.prepare(ChatHandler, state, body)  # tokenizes: off the event loop
+        return await handler.respond(request)
 
     return router
 
@@ -62,6 +63,7 @@ class ChatHandler:
         check_choices(state.server_config, 1, body.n)
         check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        state.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         self.prompt_ids = chat_prompt_ids(tokenizer, messages)
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None

@@ -47,7 +47,8 @@ def completions_router(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest)
-        return await CompletionHandler(state, body).respond(request)
+        handler = await state.prepare(CompletionHandler, state, body)  # tokenizes: off the event loop
+        return await handler.respond(request)
 
     return router
 
@@ -65,6 +66,9 @@ class CompletionHandler:
         prompts = prompt_list(body.prompt)
         check_choices(state.server_config, len(prompts), body.n)
         check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
+        for text in prompts:
+            if isinstance(text, str):
+                state.check_prompt_chars(len(text), "prompt")
         self.prompts = completion_prompts(prompts, state.tokenizer)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, body.output_limit, param="prompt")

@@ -75,7 +75,8 @@ def native_router(state: ServerState) -> APIRouter:
     @router.post("/generate")
     async def generate(request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
-        return await GenerateHandler(state, body).respond(request)
+        handler = await state.prepare(GenerateHandler, state, body)  # tokenizes: off the event loop
+        return await handler.respond(request)
 
     @router.get("/get_server_info")
     async def get_server_info() -> Response:
@@ -140,6 +141,9 @@ class GenerateHandler:
         sp = body.sampling_params
         self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         check_stop_rules(state.server_config, info, self.stop_strings, sp.stop_token_ids, prefix="sampling_params.")
+        for text in prompts:
+            if isinstance(text, str):
+                state.check_prompt_chars(len(text), param)
         self.prompts = completion_prompts(prompts, state.tokenizer)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, sp.max_new_tokens, param=param)

@@ -6,8 +6,10 @@ requests get 503, in-flight ones finish) -> stopped. A dead engine also ends ser
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 from eaglesrv.configs import EngineConfig, ServerConfig
 from eaglesrv.engine.client import EngineClient
@@ -16,6 +18,10 @@ from eaglesrv.server.errors import APIError
 from eaglesrv.server.metrics import ServerMetrics
 
 OVERLOAD_RETRY_AFTER_S = 1  # what a 503 for overload tells the client to wait
+# No token covers more characters than the vocabulary's longest entry; the margin is for
+# normalizers that drop characters before tokenizing.
+PROMPT_CHARS_MARGIN = 2
+T = TypeVar("T")
 
 
 class ServerState:
@@ -30,11 +36,18 @@ class ServerState:
         self.draining = False
         self.startup_error: str | None = None
         self._admitted = 0  # engine requests admitted and not yet finished
+        self.max_prompt_chars: int | None = None  # text longer than this cannot fit the context (set when ready)
+        # Tokenizing and templating run here, one at a time, off the event loop: a huge
+        # prompt must not stall /health and every stream. One worker, because a fast
+        # tokenizer is not meant to be called from several threads at once.
+        self._prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eaglesrv-prep")
 
     # ---- phases -----------------------------------------------------------------------
     def set_ready(self, info: EngineInfo, tokenizer) -> None:
         self.info = info
         self.tokenizer = tokenizer
+        if tokenizer is not None:
+            self.max_prompt_chars = info.max_context_len * _longest_token_chars(tokenizer) * PROMPT_CHARS_MARGIN
         self.metrics = ServerMetrics(info.model_name)
 
     @property
@@ -75,6 +88,17 @@ class ServerState:
                                 "send token ids instead")
         return self.tokenizer
 
+    async def prepare(self, build: Callable[..., T], *args) -> T:
+        """build(*args) on the preparation worker (tokenizing, templating, checks)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, build, *args)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 for text too long to fit the context however it tokenizes, before tokenizing it."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {num_chars} characters, more than any prompt within this model's "
+                                f"context of {self.info.max_context_len} tokens can have",
+                           param=param, code="context_length_exceeded")
+
     # ---- admission --------------------------------------------------------------------
     def admit(self, num_requests: int) -> Callable[[], None]:
         """Take `num_requests` admission slots (503 when overloaded); returns their release.
@@ -103,3 +127,9 @@ class ServerState:
                 self._admitted -= num_requests
 
         return release
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """Characters in the vocabulary's longest entry (added tokens included): a bound on how
+    much text one token can stand for (byte-level entries spell one character per byte)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
