@@ -32,6 +32,7 @@ class FakeEngineClient:
         self.added: list[str] = []
         self.aborted: list[str] = []
         self.dead_reason: str | None = None
+        self.stall_reason: str | None = None
 
     @property
     def is_alive(self) -> bool:
@@ -250,3 +251,17 @@ def test_tokenizing_stays_off_the_event_loop(prompt, status):
     assert longest < 0.2  # without the preparation worker a probe waits out the whole encode
     if status == 400:  # too long for the context whatever it tokenizes to: never tokenized
         assert response.json()["error"]["code"] == "context_length_exceeded" and encodes == 0
+
+
+def test_health_generate_runs_one_token_and_says_503_for_a_dead_engine():
+    async def main():
+        app, state, client, _ = make_app([5, 6])
+        async with http_client(app) as http:
+            alive = await http.get("/health_generate")
+            client.dead_reason = "exit code 1"
+            dead = await http.get("/health_generate")
+        return alive, dead, client
+
+    alive, dead, client = run(main())
+    assert alive.status_code == 200 and len(client.added) == 1
+    assert dead.status_code == 503 and dead.json()["error"]["code"] == "service_unavailable"

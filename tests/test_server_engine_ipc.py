@@ -98,3 +98,61 @@ def test_engine_death_fails_open_streams_and_calls_on_death(tiny_llama_dir):
             client.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_stopped_engine_is_reported_stalled_and_serves_again_when_continued(tiny_llama_dir):
+    import httpx
+
+    from eaglesrv.configs import ServerConfig
+    from eaglesrv.server.app import build_app
+    from eaglesrv.server.state import ServerState
+
+    timeout_s = 1.5
+    config = engine_config(tiny_llama_dir)
+
+    async def wait_for_health(http, status: int, within_s: float) -> float:
+        started = asyncio.get_running_loop().time()
+        while (await http.get("/health")).status_code != status:
+            assert asyncio.get_running_loop().time() - started < within_s, f"/health never said {status}"
+            await asyncio.sleep(0.1)
+        return asyncio.get_running_loop().time() - started
+
+    async def main():
+        client = EngineClient.spawn(config, "critical")
+        state = ServerState(ServerConfig(watchdog_timeout_s=timeout_s), config, client)
+        transport = httpx.ASGITransport(app=build_app(state))
+        long = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True}
+        try:
+            info, tokenizer = await client.wait_ready()
+            state.set_ready(info, tokenizer)
+            watchdog = asyncio.create_task(client.watchdog(timeout_s))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as http:
+                assert (await http.get("/health_generate")).status_code == 200
+                in_flight = asyncio.create_task(http.post("/v1/completions", json=long))
+                await asyncio.sleep(0.3)
+                os.kill(client._process.pid, signal.SIGSTOP)
+                stalled_after = await wait_for_health(http, 503, within_s=timeout_s + 3)
+                refused = await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+                failed = await in_flight
+                os.kill(client._process.pid, signal.SIGCONT)
+                await wait_for_health(http, 200, within_s=timeout_s + 3)
+                served = await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+                checked = await http.get("/health_generate")
+            for _ in range(100):  # the failed request was aborted: the engine lets it go
+                stats = await client.stats()
+                if stats.num_running == 0 and stats.kv_pages_free == stats.kv_pages_total:
+                    break
+                await asyncio.sleep(0.05)
+            watchdog.cancel()
+            return stalled_after, refused, failed, served, checked, stats
+        finally:
+            os.kill(client._process.pid, signal.SIGCONT)
+            assert client.shutdown() == 0
+
+    stalled_after, refused, failed, served, checked, stats = asyncio.run(main())
+    assert stalled_after <= timeout_s + 2
+    for response in (refused, failed):
+        assert response.status_code == 503 and "no progress" in response.json()["error"]["message"]
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    assert checked.status_code == 200
+    assert stats.num_running == 0 and stats.kv_pages_free == stats.kv_pages_total

@@ -27,6 +27,8 @@ class ServerConfig:
     max_stop_strings, max_stop_string_length, max_stop_token_ids: per request; stop strings
         are scanned at every token of every choice, so their size is bounded.
     max_choices_per_request: prompts x n of one request (each is an engine request).
+    watchdog_timeout_s: an engine silent this long (not even answering a ping between two
+        steps) is reported stalled: /health says 503, its open requests fail with 503.
     shutdown_timeout_s: on SIGTERM, how long in-flight requests may take to finish
         before they are cut off.
     """
@@ -42,6 +44,7 @@ class ServerConfig:
     max_stop_string_length: int = 1024
     max_stop_token_ids: int = 256
     max_choices_per_request: int = 1024
+    watchdog_timeout_s: float = 300.0
     shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -60,6 +63,7 @@ class ServerConfig:
                             ("--max-stop-token-ids", self.max_stop_token_ids),
                             ("--max-choices-per-request", self.max_choices_per_request)):
             require(value >= 1, f"{flag} must be at least 1, got {value}")
+        require(self.watchdog_timeout_s > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout_s}")
         require(self.shutdown_timeout_s >= 0,
                 f"--graceful-shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
 
@@ -95,6 +99,9 @@ SERVER_FLAGS: tuple[_ServerFlag, ...] = (
                 "Most generations one request may ask for: prompts x n.", int, metavar="N"),
     _ServerFlag(("--max-request-bytes",), "max_request_bytes", "Largest request body; larger ones get 413.", int,
                 metavar="BYTES"),
+    _ServerFlag(("--watchdog-timeout",), "watchdog_timeout_s",
+                "Seconds without a sign of life from a busy or idle engine before /health says 503 and its "
+                "requests fail with 503 (until it answers again).", float, metavar="SECONDS"),
     _ServerFlag(("--graceful-shutdown-timeout",), "shutdown_timeout_s",
                 "Seconds in-flight requests may take to finish after SIGTERM.", float, metavar="SECONDS"),
 )

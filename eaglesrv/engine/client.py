@@ -13,7 +13,8 @@ the engine's pipe and hands each message to the event loop, and a writer sends w
 loop queued (a long prompt can exceed the pipe's buffer, and the engine reads only
 between steps). The stream table and futures live on the event loop thread alone.
 Leaving a stream early (client gone, stop string matched, task cancelled) sends
-AbortRequest, so the engine frees the request's pages at its next step.
+AbortRequest, so the engine frees the request's pages at its next step. The watchdog
+(`watchdog()`, a task the server runs) notices an engine that has stopped answering.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import multiprocessing
 import pickle
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from eaglesrv.configs import EngineConfig
@@ -44,6 +46,15 @@ class EngineDeadError(RuntimeError):
     """The engine process has stopped; no more requests can be served."""
 
 
+class EngineStalledError(EngineDeadError):
+    """The engine process has made no progress for the watchdog's time. Open requests fail
+    with it and new ones are refused (503, as for a dead engine) until the engine is heard
+    from again; it may recover (a stopped process that is continued)."""
+
+
+PING_QUERY_ID = -1  # a stats query nobody waits for: its reply only shows the engine is alive
+
+
 class EngineClient:
     def __init__(self, process, to_engine, from_engine, loop: asyncio.AbstractEventLoop) -> None:
         self._process = process
@@ -57,6 +68,9 @@ class EngineClient:
         self._request_ids = itertools.count()
         self._ready: asyncio.Future = loop.create_future()
         self.dead_reason: str | None = None  # set once the engine process is gone
+        self.stall_reason: str | None = None  # set by the watchdog while the engine is silent
+        self._last_heard = time.monotonic()  # the engine's last message, of any kind
+        self._pinged = False  # a ping is out since the engine was last heard
         self.on_death: Callable[[str], None] | None = None  # called once, on the loop thread
         self._closing = False
         self._loaded = False  # EngineReady arrived: the process reads its inbox
@@ -112,6 +126,22 @@ class EngineClient:
         self._writer.join(5.0)
         self._to_engine.close()
         return self._process.exitcode
+
+    async def watchdog(self, timeout_s: float) -> None:
+        """Run while the engine lives: ping it once it has been quiet for a third of
+        `timeout_s` (it answers between two steps, busy or idle); after `timeout_s` of
+        silence, fail every open stream and report the engine stalled until it is heard
+        from again."""
+        while self.is_alive:
+            await asyncio.sleep(min(timeout_s / 6, 1.0))
+            quiet = time.monotonic() - self._last_heard
+            if not self._loaded or quiet < timeout_s / 3:
+                continue
+            if not self._pinged:
+                self._pinged = True
+                self._send(msg.StatsQuery(PING_QUERY_ID))
+            if quiet >= timeout_s and self.stall_reason is None:
+                self._stall(f"the engine has made no progress for {quiet:.0f} s (--watchdog-timeout {timeout_s:g})")
 
     # ---- requests -----------------------------------------------------------------------
     async def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[msg.EngineOutput]:
@@ -188,6 +218,11 @@ class EngineClient:
             pass  # the event loop is closed: the server is gone already
 
     def _dispatch(self, message) -> None:
+        self._last_heard = time.monotonic()
+        self._pinged = False
+        if self.stall_reason is not None:
+            logger.warning("the engine is making progress again after: %s", self.stall_reason)
+            self.stall_reason = None
         if isinstance(message, msg.StepOutputs):
             for out in message.outputs:
                 inbox = self._streams.get(out.request_id)
@@ -215,6 +250,18 @@ class EngineClient:
             self._ready.set_exception(EngineStartupError(reason))
             self._ready.exception()  # retrieved here too, so asyncio does not warn if nobody waits
 
+    def _stall(self, reason: str) -> None:
+        self.stall_reason = reason
+        logger.error("%s; failing its %d open requests", reason, len(self._streams))
+        self._fail_waiting(EngineStalledError(reason))
+
+    def _fail_waiting(self, error: EngineDeadError) -> None:
+        for inbox in self._streams.values():
+            inbox.put_nowait(error)
+        for future in self._stats_waiters.values():
+            if not future.done():
+                future.set_exception(error)
+
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
@@ -222,11 +269,6 @@ class EngineClient:
         self._fail_startup(reason)
         if not self._closing:
             logger.error("%s", reason)
-        error = EngineDeadError(f"the engine has stopped: {reason}")
-        for inbox in self._streams.values():
-            inbox.put_nowait(error)
-        for future in self._stats_waiters.values():
-            if not future.done():
-                future.set_exception(error)
+        self._fail_waiting(EngineDeadError(f"the engine has stopped: {reason}"))
         if self.on_death is not None and not self._closing:
             self.on_death(reason)

@@ -6,6 +6,8 @@
     draining  SIGTERM or SIGINT: stop accepting connections, answer new requests on open
               ones with 503, let in-flight requests finish (at most
               --graceful-shutdown-timeout seconds), then stop the engine; exit code 0.
+    stalled   the engine has not answered for --watchdog-timeout seconds (EngineClient.watchdog):
+              /health answers 503 and requests fail with 503 until it answers again.
     A second SIGINT forces the exit. If the engine process dies, the server exits 1.
 """
 
@@ -82,17 +84,20 @@ async def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int
             fail(f"the engine failed to start: {exc}")
             return
         state.set_ready(info, tokenizer)
+        watchdog.append(asyncio.create_task(client.watchdog(server_config.watchdog_timeout_s)))
         logger.info(
             "ready: serving %s at http://%s:%d (context %d tokens, KV cache %d tokens, %s on %s)",
             info.model_name, server_config.host, server_config.port, info.max_context_len,
             info.num_pages * info.page_size, info.dtype, info.device,
         )
 
+    watchdog: list[asyncio.Task] = []
     startup = asyncio.create_task(wait_for_engine())
     try:
         await server.serve()
     finally:
-        startup.cancel()
+        for task in (startup, *watchdog):
+            task.cancel()
         state.draining = True
         engine_exit = await asyncio.to_thread(client.shutdown)
         logger.info("engine process stopped (exit code %s)", engine_exit)

@@ -52,11 +52,13 @@ class ServerState:
 
     @property
     def serving(self) -> bool:
-        return self.info is not None and not self.draining and self.client.is_alive
+        return self.info is not None and not self.draining and self.client.is_alive and not self.client.stall_reason
 
     def not_serving_reason(self) -> str:
         if not self.client.is_alive:
             return f"the engine has stopped: {self.client.dead_reason}"
+        if self.client.stall_reason:
+            return self.client.stall_reason
         if self.info is None:
             return "the model is still loading"
         return "the server is shutting down"
