@@ -265,3 +265,44 @@ def test_health_generate_runs_one_token_and_says_503_for_a_dead_engine():
     alive, dead, client = run(main())
     assert alive.status_code == 200 and len(client.added) == 1
     assert dead.status_code == 503 and dead.json()["error"]["code"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("allowed,origin,host,status", [
+    ((), None, "127.0.0.1:30000", 200),  # curl, SDKs: no Origin header
+    ((), "https://evil.example", "127.0.0.1:30000", 403),  # a page elsewhere, through a browser
+    ((), "http://evil.example:30000", "evil.example:30000", 403),  # DNS rebinding: same origin, not loopback
+    ((), "http://127.0.0.1:30000", "127.0.0.1:30000", 200),  # the server's own /docs page
+    (("https://app.example",), "https://app.example", "127.0.0.1:30000", 200),
+    (("https://app.example",), "https://other.example", "127.0.0.1:30000", 403),
+    (("*",), "https://anything.example", "127.0.0.1:30000", 200),
+], ids=["no-origin", "cross-site", "rebinding", "own-page", "allowed", "not-listed", "any"])
+def test_browser_requests_need_an_allowed_origin(allowed, origin, host, status):
+    async def main():
+        app, state, client, _ = make_app([5, 6], allowed_origins=allowed)
+        headers = {"Content-Type": "text/plain", "Host": host, **({"Origin": origin} if origin else {})}
+        async with http_client(app) as http:  # text/plain: a browser sends it without a preflight
+            response = await http.post("/v1/completions", content='{"prompt": [1, 2], "max_tokens": 2}',
+                                       headers=headers)
+        return response, client
+
+    response, client = run(main())
+    assert response.status_code == status, response.text
+    if status == 403:
+        assert response.json()["error"]["code"] == "origin_not_allowed" and not client.added
+    elif origin:
+        assert response.headers["access-control-allow-origin"] == origin
+
+
+def test_an_allowed_origin_gets_its_preflight_answered_without_a_key():
+    async def main():
+        app, _, _, _ = make_app([5], allowed_origins=("https://app.example",), api_key="secret")
+        async with http_client(app) as http:
+            return await http.options("/v1/chat/completions", headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+
+    response = run(main())
+    assert response.status_code == 204
+    assert response.headers["access-control-allow-origin"] == "https://app.example"
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert response.headers["access-control-allow-headers"] == "authorization, content-type"

@@ -27,6 +27,8 @@ class ServerConfig:
     max_stop_strings, max_stop_string_length, max_stop_token_ids: per request; stop strings
         are scanned at every token of every choice, so their size is bounded.
     max_choices_per_request: prompts x n of one request (each is an engine request).
+    allowed_origins: web origins whose browser requests are served (with CORS headers);
+        "*" allows any. Requests with any other Origin header get 403.
     watchdog_timeout_s: an engine silent this long (not even answering a ping between two
         steps) is reported stalled: /health says 503, its open requests fail with 503.
     shutdown_timeout_s: on SIGTERM, how long in-flight requests may take to finish
@@ -45,6 +47,7 @@ class ServerConfig:
     max_stop_token_ids: int = 256
     max_choices_per_request: int = 1024
     watchdog_timeout_s: float = 300.0
+    allowed_origins: tuple[str, ...] = ()
     shutdown_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -102,6 +105,10 @@ SERVER_FLAGS: tuple[_ServerFlag, ...] = (
     _ServerFlag(("--watchdog-timeout",), "watchdog_timeout_s",
                 "Seconds without a sign of life from a busy or idle engine before /health says 503 and its "
                 "requests fail with 503 (until it answers again).", float, metavar="SECONDS"),
+    _ServerFlag(("--allowed-origins",), "allowed_origins",
+                "Comma-separated web origins (e.g. https://app.example.com) whose browser requests are served, "
+                "with CORS headers; '*' allows any. Requests from other origins get 403.", lambda text: tuple(
+                    origin.strip() for origin in text.split(",") if origin.strip()), metavar="ORIGINS"),
     _ServerFlag(("--graceful-shutdown-timeout",), "shutdown_timeout_s",
                 "Seconds in-flight requests may take to finish after SIGTERM.", float, metavar="SECONDS"),
 )
@@ -117,7 +124,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flag.names, dest=dest, action="store_true", help=flag.help)
             continue
         default = defaults[flag.field]
-        shown = f" (default: {default})" if default is not None else ""
+        shown = f" (default: {default})" if default not in (None, ()) else ""
         group.add_argument(
             *flag.names, dest=dest, type=flag.type, choices=flag.choices, default=default, help=flag.help + shown,
             metavar=flag.metavar,

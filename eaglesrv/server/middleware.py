@@ -1,4 +1,4 @@
-"""ASGI middleware: API-key check and request-body size limit.
+"""ASGI middleware: web-origin check with CORS, API-key check and request-body size limit.
 
 Plain ASGI (not BaseHTTPMiddleware) so that streamed responses pass through untouched.
 """
@@ -7,12 +7,67 @@ from __future__ import annotations
 
 import hmac
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eaglesrv.server.errors import APIError, error_response
 
 # Probes and scrapers usually carry no credentials (as in SGLang).
 _UNAUTHENTICATED_PATHS = ("/health", "/metrics")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+class OriginMiddleware:
+    """Keep web pages from driving the server through a visitor's browser.
+
+    A browser marks every cross-site request with an Origin header, and a `text/plain`
+    POST needs no CORS preflight, so without this check any page could make a browser on
+    this machine generate on localhost. Requests carrying an Origin that --allowed-origins
+    does not list get 403; allowed ones get CORS headers, and their preflights an answer.
+    Requests without an Origin (curl, SDKs, other servers) pass untouched, and so do the
+    server's own pages (/docs) when served on a loopback address: the Origin then equals
+    the Host, which a DNS-rebinding page cannot make a loopback address.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_origins: tuple[str, ...]) -> None:
+        self.app = app
+        self._any = "*" in allowed_origins
+        self._allowed = {origin.rstrip("/") for origin in allowed_origins}
+
+    def _allows(self, origin: str, host: str) -> bool:
+        if self._any or origin in self._allowed:
+            return True
+        hostname = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
+        return hostname in _LOOPBACK_HOSTS and origin in (f"http://{host}", f"https://{host}")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        origin = headers.get(b"origin")
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        origin_text = origin.decode("latin-1")
+        if not self._allows(origin_text, headers.get(b"host", b"").decode("latin-1")):
+            refusal = error_response(403, f"requests from the web origin {origin_text!r} are not allowed; "
+                                          "list it in --allowed-origins to allow it", code="origin_not_allowed")
+            await refusal(scope, receive, send)
+            return
+        cors = [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
+        if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+            requested = headers.get(b"access-control-request-headers", b"authorization, content-type")
+            preflight = Response(status_code=204, headers={
+                "access-control-allow-origin": origin_text, "vary": "Origin",
+                "access-control-allow-methods": "GET, POST, OPTIONS",
+                "access-control-allow-headers": requested.decode("latin-1"), "access-control-max-age": "600"})
+            await preflight(scope, receive, send)
+            return
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *cors]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
 
 
 class APIKeyMiddleware:
