@@ -306,3 +306,53 @@ def test_an_allowed_origin_gets_its_preflight_answered_without_a_key():
     assert response.headers["access-control-allow-origin"] == "https://app.example"
     assert "POST" in response.headers["access-control-allow-methods"]
     assert response.headers["access-control-allow-headers"] == "authorization, content-type"
+
+
+def test_a_bug_is_a_500_in_the_envelope_logged_once(caplog):
+    async def main():
+        app, _, client, _ = make_app([5])
+
+        async def broken_stream(prompt_ids, params):
+            raise ValueError("a bug")
+            yield
+
+        client.stream = broken_stream
+        async with http_client(app) as http:  # the transport re-raises what escapes the app
+            return await http.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+
+    response = run(main())
+    assert response.status_code == 500 and response.json()["error"]["message"] == "internal error: ValueError"
+    assert [r.exc_info is not None for r in caplog.records if "unhandled error" in r.getMessage()] == [True]
+
+
+def test_an_unreadable_message_from_the_engine_ends_the_engine_not_one_stream():
+    import pickle
+
+    from eaglesrv.engine.client import EngineClient
+
+    class Pipe:
+        def recv(self):
+            raise pickle.UnpicklingError("truncated")
+
+        def send(self, message):
+            pass
+
+        def close(self):
+            pass
+
+    class Process:
+        exitcode = None
+
+        def join(self, timeout=None):
+            pass
+
+    async def main():
+        client = EngineClient(Process(), Pipe(), Pipe(), asyncio.get_running_loop())
+        for _ in range(100):
+            if not client.is_alive:
+                break
+            await asyncio.sleep(0.01)
+        return client
+
+    client = run(main())
+    assert not client.is_alive and "unreadable message" in client.dead_reason and "truncated" in client.dead_reason

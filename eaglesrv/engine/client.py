@@ -198,18 +198,24 @@ class EngineClient:
 
     def _read_loop(self) -> None:
         """Reader thread: block on the pipe, hand every message to the event loop."""
+        reason = None
         while True:
             try:
                 message = self._from_engine.recv()
             except (EOFError, OSError):
                 break
-            except Exception:  # noqa: BLE001 - an unreadable message must not kill the reader
+            except Exception as exc:  # noqa: BLE001 - any decoding failure
+                # Some request's output is lost and nobody can tell whose: rather than leave
+                # its stream waiting forever, treat the engine as gone (the server exits 1
+                # and its supervisor restarts it).
                 logger.exception("unreadable message from the engine process")
-                continue
+                reason = f"an unreadable message from the engine process ({type(exc).__name__}: {exc})"
+                break
             self._call_on_loop(self._dispatch, message)
-        self._process.join(5.0)
-        code = self._process.exitcode
-        self._call_on_loop(self._mark_dead, f"the engine process exited (exit code {code})")
+        if reason is None:
+            self._process.join(5.0)
+            reason = f"the engine process exited (exit code {self._process.exitcode})"
+        self._call_on_loop(self._mark_dead, reason)
 
     def _call_on_loop(self, fn, *args) -> None:
         try:

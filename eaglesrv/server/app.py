@@ -11,7 +11,12 @@ from eaglesrv.scheduler import RequestRejected
 from eaglesrv.server.chat import chat_router
 from eaglesrv.server.completions import completions_router
 from eaglesrv.server.errors import error_response, install_error_handlers
-from eaglesrv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, OriginMiddleware
+from eaglesrv.server.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    OriginMiddleware,
+    UnexpectedErrorMiddleware,
+)
 from eaglesrv.server.native import native_router
 from eaglesrv.server.service import service_router
 from eaglesrv.server.state import ServerState
@@ -31,7 +36,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def _rejected(request: Request, exc: RequestRejected) -> JSONResponse:
         return error_response(400, str(exc))
 
-    # Added last = outermost: the origin check runs first, then the size limit, then the key.
+    # Added last = outermost: the origin check runs first, then the size limit, then the key,
+    # then the catch-all for bugs.
+    app.add_middleware(UnexpectedErrorMiddleware)
     if state.server_config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.server_config.api_key)
     app.add_middleware(BodySizeLimitMiddleware, limit=state.server_config.max_request_bytes)

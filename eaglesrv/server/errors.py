@@ -2,19 +2,16 @@
 
 Every failure the server answers goes through here, including FastAPI's own (unknown
 route, wrong method, body validation, which FastAPI would answer 422: OpenAI says 400).
+Bugs are answered 500 by middleware.UnexpectedErrorMiddleware.
 """
 
 from __future__ import annotations
-
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -87,8 +84,3 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}")

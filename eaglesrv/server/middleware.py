@@ -6,11 +6,14 @@ Plain ASGI (not BaseHTTPMiddleware) so that streamed responses pass through unto
 from __future__ import annotations
 
 import hmac
+import logging
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eaglesrv.server.errors import APIError, error_response
+
+logger = logging.getLogger(__name__)
 
 # Probes and scrapers usually carry no credentials (as in SGLang).
 _UNAUTHENTICATED_PATHS = ("/health", "/metrics")
@@ -88,6 +91,33 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """A bug answers 500 in OpenAI's envelope and logs one traceback. (An exception handler
+    for Exception would run in Starlette's outermost layer, which re-raises afterwards, so
+    uvicorn would log the same traceback a second time.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence
+            logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            if not started:  # else the client sees the stream end early
+                await error_response(500, f"internal error: {type(exc).__name__}")(scope, receive, send)
 
 
 class RequestTooLarge(APIError):
