@@ -88,3 +88,15 @@ def test_stop_string_never_leaks_over_random_splits():
         out, hit = _feed_all(["\nUser:"], pieces)
         assert "".join(out) == "Answer: 42\n" and hit == "\nUser:"
         assert all("\nU" not in p for p in out)
+
+
+def test_the_held_back_tail_is_the_longest_proper_prefix_of_a_stop_string():
+    def brute_force(stops, text):  # the definition, one length at a time
+        return max([size for stop in stops for size in range(1, min(len(stop) - 1, len(text)) + 1)
+                    if text.endswith(stop[:size])], default=0)
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 9)))
+        assert StopStringFilter(stops)._partial_match_len(text) == brute_force(stops, text), (stops, text)

@@ -48,11 +48,16 @@ class StopStringFilter:
         return min(found) if found else None
 
     def _partial_match_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        """Length of the longest tail of `text` that is a proper prefix of a stop string.
+        Only tails that start with a stop string's first character are tried, leftmost (so
+        longest) first: a few comparisons per stop string, not one per length, which keeps
+        the per-token cost small even for the longest stop strings allowed."""
         longest = 0
         for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:size]):
-                    longest = size
+            start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+            while start >= 0 and len(text) - start > longest:
+                if stop.startswith(text[start:]):
+                    longest = len(text) - start
                     break
+                start = text.find(stop[0], start + 1)
         return longest
