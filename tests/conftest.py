@@ -42,6 +42,14 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
+@pytest.fixture(scope="session")
+def head_dir(tiny_llama_dir, tmp_path_factory) -> str:
+    """A random EAGLE-3 head for the tiny Llama, in the published format."""
+    from eagle3_helpers import save_random_head  # it imports this module
+
+    return save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("head"))
+
+
 def engine_config(model_path: str | None, **kwargs) -> EngineConfig:
     """An fp32 CPU engine config; kwargs go to the config group that has the field."""
     groups = {"model": {"model_path": model_path, "dtype": "float32"}, "cache": {}, "scheduler": {},

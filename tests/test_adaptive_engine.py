@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 from conftest import engine_config
-from eagle3_helpers import save_random_head, spec_config
+from eagle3_helpers import spec_config
 from engine_helpers import random_prompts, run_staggered
 
 from eaglesrv.engine.adaptive import calibrate
@@ -23,11 +23,6 @@ from eaglesrv.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = (3, 40, 9, 1, 25, 64, 12, 5, 30, 17, 2, 50)
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_llama_dir, tmp_path_factory):
-    return save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("head"))
 
 
 @pytest.fixture(autouse=True)

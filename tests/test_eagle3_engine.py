@@ -18,11 +18,6 @@ TREES = [(5, 8, 32), (3, 1, 4), (6, 10, 60)]
 
 
 @pytest.fixture(scope="module")
-def head_dir(tiny_llama_dir, tmp_path_factory):
-    return save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("head"))
-
-
-@pytest.fixture(scope="module")
 def plain_outputs(tiny_llama_dir):
     engine = Engine(engine_config(tiny_llama_dir))
     return [r.output_token_ids for r in engine.generate(random_prompts(LENGTHS, 256), GREEDY)]

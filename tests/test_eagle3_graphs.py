@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import engine_config
-from eagle3_helpers import save_random_head, spec_config
+from eagle3_helpers import spec_config
 from engine_helpers import random_prompts, run_staggered
 
 from eaglesrv.engine.adaptive.policy import Decision
@@ -26,11 +26,6 @@ from eaglesrv.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = (3, 40, 9, 1, 25, 12)
 MAX_BS = 4  # rungs 1, 2, 4: a batch of 3 pads to 4, batches of 5 and 6 run eagerly
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_llama_dir, tmp_path_factory):
-    return save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("head"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import random
 
 import pytest
 from conftest import engine_config
-from eagle3_helpers import save_random_head, spec_config
+from eagle3_helpers import spec_config
 from engine_helpers import random_prompts
 
 from eaglesrv.engine.llm_engine import Engine
@@ -20,11 +20,6 @@ POOL = 256  # tokens: 16 pages of 16; the tiny model's own context is 512, so th
 TREE = (5, 8, 32)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 BASE = random_prompts([POOL], 256, seed=21)[0]
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_llama_dir, tmp_path_factory):
-    return save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("head"))
 
 
 @pytest.fixture(scope="module", autouse=True)
