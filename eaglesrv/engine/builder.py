@@ -27,9 +27,9 @@ from eaglesrv.engine.adaptive.calibrate import load_or_measure
 from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.eagle3.eagle3_runner import Eagle3Runner
+from eaglesrv.engine.eagle3.graphs import Eagle3Graphs
 from eaglesrv.engine.eagle3.head_io import load_draft_head
 from eaglesrv.engine.graphs.decode_step import DecodeGraphs, decode_graph_bytes
-from eaglesrv.engine.graphs.eagle3_steps import Eagle3Graphs
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch

@@ -1,6 +1,6 @@
 """Growing a batch of draft trees on the device: the draft passes and the tree builder.
 
-One function serves the eager step and its graph (engine/graphs/eagle3_steps.py): every
+One function serves the eager step and its graph (engine/eagle3/graphs.py): every
 tensor stays on the device and nothing is read back to the host, so a graph can hold it.
 The caller says how each draft pass attends (`PassContext`): spans planned on the host
 (eager), or metadata built from device tensors (a graph's `uniform_metadata`).

@@ -41,13 +41,13 @@ from eaglesrv.engine.adaptive.controller import AdaptiveSpeculation
 from eaglesrv.engine.adaptive.policy import StepLoad
 from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.eagle3.drafting import grow_trees
+from eaglesrv.engine.eagle3.graphs import Eagle3Graphs
 from eaglesrv.engine.eagle3.request_state import RootState, SpecRequestState
 from eaglesrv.engine.eagle3.stats import SpecStats
 from eaglesrv.engine.eagle3.tree import DraftTree
 from eaglesrv.engine.eagle3.verify import Acceptance, accept_sampling
 from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.graphs.decode_step import DecodeGraphs
-from eaglesrv.engine.graphs.eagle3_steps import Eagle3Graphs
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, compute_logprobs, processed_probs, request_uniforms, sample

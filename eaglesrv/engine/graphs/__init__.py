@@ -21,11 +21,13 @@ Parts
   padding page for padding rows. `PlainRunner` replays it for decode-only steps; the
   engine builder captures it at start-up on CUDA (`--cuda-graph-max-bs`,
   `--disable-cuda-graph`).
-- `eagle3_steps.py`: `Eagle3Graphs`, an EAGLE-3 server's graphs on one shared mechanism:
-  the tree step (the draft passes that grow the configured tree, its masks, and the
-  target's verification pass), the plain step (decode with the draft's feature layers) and
-  the draft extend (the committed tokens padded to a fixed width). Acceptance and K/V
-  compaction run on the host between the tree step and the extend.
+
+Built on these, in EAGLE-3's own package: `engine/eagle3/graphs.py`, `Eagle3Graphs`, an
+EAGLE-3 server's graphs on one shared mechanism: the tree step (the draft passes that grow
+the configured tree, its masks, and the target's verification pass), the plain step
+(decode with the draft's feature layers) and the draft extend (the committed tokens padded
+to a fixed width). Acceptance and K/V compaction run on the host between the tree step and
+the extend.
 
 Random numbers under a graph
 A graph contains no random-number op (the stand-in refuses them). Sampling draws from

@@ -9,9 +9,9 @@ tree masks, and the target's verification pass with its feature capture.
     out  the trees (tokens, parents, depths, ranks), the target's logits at every node
          [B, N, vocab] float32 and its captured features [B, N, 3 * hidden]
 
-The plain step is the target's decode step with feature capture (decode_step.py), for the
-steps in which no request speculates: adaptive speculation's plain steps, and requests
-that cannot speculate (penalties).
+The plain step is the target's decode step with feature capture (engine/graphs/
+decode_step.py), for the steps in which no request speculates: adaptive speculation's
+plain steps, and requests that cannot speculate (penalties).
 
 Acceptance and compaction run on the host between the two graphs (they decide how many
 tokens each request commits). The extend then feeds the draft what each request
