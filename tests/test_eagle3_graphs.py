@@ -103,7 +103,9 @@ def test_adaptive_eagle3_through_graphs_equals_plain(tiny_llama_dir, head_dir, p
     assert run_staggered(engine, random_prompts(LENGTHS, 256), GREEDY, every=2) == plain_outputs
     graphs = engine.runner.graphs
     stats = engine.spec_stats
-    assert stats["spec_steps_plain"] > 0 and stats["spec_steps_speculative"] > 0
+    # The forced tree steps bypass the controller, so its speculative-step counter sees only
+    # the policy's own choices: the verifications and the tree graph's replays count them all.
+    assert stats["spec_steps_plain"] > 0 and stats["spec_verifications"] > 0
     for runner in (graphs.tree_runner, graphs.plain.runner, graphs.extend_runner):
         assert sum(runner.replays.values()) > 0
 
