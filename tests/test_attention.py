@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglesrv.kernels.attention import SequenceSpan, create_attention_backend
-from eaglesrv.kernels.attention.base import full_mask, padded_block_table
+from eaglesrv.kernels.attention.base import checked_mask, padded_block_table
 from eaglesrv.kernels.attention.layout import PassLayout
 
 PAGE = 4
@@ -22,6 +22,13 @@ def naive_attention(q, k, v, mask):
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def full_mask(span) -> torch.Tensor:
+    """The oracle's [num_new, num_cached + num_new] mask: the custom mask after its visible prefix."""
+    mask = checked_mask(span)
+    prefix = torch.ones(span.num_new, span.num_cached + span.num_new - mask.shape[1], dtype=torch.bool)
+    return torch.cat([prefix, mask], dim=1)
 
 
 def slot_positions(spans, page_size: int) -> list[list[int]]:

@@ -66,10 +66,7 @@ class CompletionHandler:
         prompts = prompt_list(body.prompt)
         check_choices(state.server_config, len(prompts), body.n)
         check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
-        for text in prompts:
-            if isinstance(text, str):
-                state.check_prompt_chars(len(text), "prompt")
-        self.prompts = completion_prompts(prompts, state.tokenizer)
+        self.prompts = completion_prompts(prompts, state)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, body.output_limit, param="prompt")
         self.params = openai_sampling_params(info, body, body.logprobs)

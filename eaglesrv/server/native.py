@@ -141,10 +141,7 @@ class GenerateHandler:
         sp = body.sampling_params
         self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         check_stop_rules(state.server_config, info, self.stop_strings, sp.stop_token_ids, prefix="sampling_params.")
-        for text in prompts:
-            if isinstance(text, str):
-                state.check_prompt_chars(len(text), param)
-        self.prompts = completion_prompts(prompts, state.tokenizer)
+        self.prompts = completion_prompts(prompts, state, param)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, sp.max_new_tokens, param=param)
         self.params = build_sampling_params(

@@ -13,6 +13,7 @@ from eaglesrv.configs import ServerConfig
 from eaglesrv.engine.protocol import EngineInfo
 from eaglesrv.sampling_params import InvalidSamplingParams, SamplingParams
 from eaglesrv.server.errors import bad_request
+from eaglesrv.server.state import ServerState
 
 
 def build_sampling_params(
@@ -142,16 +143,18 @@ def prompt_list(prompt: str | list) -> list:
     return list(prompt)
 
 
-def completion_prompts(prompts: list, tokenizer) -> list[list[int]]:
-    """prompt_list's prompts as id lists."""
+def completion_prompts(prompts: list, state: ServerState, param: str = "prompt") -> list[list[int]]:
+    """prompt_list's prompts as id lists; text too long for the context is refused before
+    it is tokenized."""
     if not prompts:
-        raise bad_request("the prompt is empty", param="prompt")
+        raise bad_request("the prompt is empty", param=param)
     encoded = []
     for p in prompts:
         if isinstance(p, str):
-            if tokenizer is None:
-                raise bad_request("text prompts need a tokenizer (--skip-tokenizer-init is set)", param="prompt")
-            encoded.append(encode_text(tokenizer, p))
+            state.check_prompt_chars(len(p), param)
+            if state.tokenizer is None:
+                raise bad_request("text prompts need a tokenizer (--skip-tokenizer-init is set)", param=param)
+            encoded.append(encode_text(state.tokenizer, p))
         else:
             encoded.append([int(t) for t in p])
     return encoded

@@ -217,10 +217,10 @@ class Eagle3Runner(StepRunner):
     def _graphed_tree_step(self, shape, seqs, results, kept_rows) -> tuple[torch.Tensor, list[int]]:
         """Steps 1 to 4 for a batch in which every request speculates with the graphs' tree:
         drafting and verification replay one graph, acceptance and compaction follow."""
-        states = [self.requests[seq.request_id].root for seq in seqs]
-        trees, logits, features = self.graphs.tree_step(
-            [seq.token_ids[0] for seq in seqs], torch.stack([s.logprobs for s in states]),
-            torch.stack([s.hidden for s in states]), [seq.num_cached for seq in seqs], [seq.page_table for seq in seqs])
+        logprobs, hidden = self._root_states(seqs)
+        trees, logits, features = self.graphs.tree_step([seq.token_ids[0] for seq in seqs], logprobs, hidden,
+                                                        [seq.num_cached for seq in seqs],
+                                                        [seq.page_table for seq in seqs])
         self.stats.draft_passes += shape.steps - 1
         offsets = [i * trees.num_nodes for i in range(len(seqs))]
         self._verify(shape, seqs, trees, {i: i for i in range(len(seqs))}, offsets, logits, results, kept_rows)
@@ -278,7 +278,6 @@ class Eagle3Runner(StepRunner):
 
     def _draft(self, shape: TreeShape, seqs: list[SequenceWork]) -> DraftTree:
         k = shape.topk
-        states = [self.requests[seq.request_id].root for seq in seqs]
 
         def context(f: int, masks: torch.Tensor) -> ForwardContext:
             spans = [SequenceSpan(seq.page_table, seq.num_cached + (f - 1) * k, k, mask)
@@ -286,11 +285,13 @@ class Eagle3Runner(StepRunner):
             return ForwardContext(self.attention, self.attention.plan(spans), self.draft_kv)
 
         self.stats.draft_passes += shape.steps - 1
-        return grow_trees(
-            self.draft, shape, self._tensor([seq.token_ids[0] for seq in seqs]),
-            torch.stack([s.logprobs for s in states]), torch.stack([s.hidden for s in states]),
-            self._tensor([seq.num_cached for seq in seqs]), context,
-        )
+        return grow_trees(self.draft, shape, self._tensor([seq.token_ids[0] for seq in seqs]),
+                          *self._root_states(seqs), self._tensor([seq.num_cached for seq in seqs]), context)
+
+    def _root_states(self, seqs: list[SequenceWork]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's log-probabilities [B, draft_vocab] and hidden states [B, H] at the roots."""
+        states = [self.requests[seq.request_id].root for seq in seqs]
+        return torch.stack([s.logprobs for s in states]), torch.stack([s.hidden for s in states])
 
     # ---- 3. acceptance ---------------------------------------------------------------
     def _verify(self, shape, seqs, trees: DraftTree, tree_row, offsets, logits, results, kept_rows) -> None:

@@ -51,7 +51,7 @@ from eaglesrv.engine.graphs.runner import GraphRunner, StaticInput
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.tree_shape import TreeShape
-from eaglesrv.kernels.attention.base import AttentionBackend, padded_block_table
+from eaglesrv.kernels.attention.base import AttentionBackend, padded_block_table, uniform_positions
 
 
 class Eagle3Graphs:
@@ -185,7 +185,7 @@ class Eagle3Graphs:
         tokens, num_cached = inputs["tokens"], inputs["num_cached"]
         batch, width = tokens.shape
         metadata = self.attention.uniform_metadata(inputs["block_table"], num_cached, width)
-        positions = (num_cached.long()[:, None] + torch.arange(width, device=tokens.device)).reshape(-1)
+        positions = uniform_positions(num_cached, width).reshape(-1)
         last_rows = torch.arange(batch, device=tokens.device) * width + inputs["last"]
         logits, out = self.draft(tokens.reshape(-1), inputs["features"].flatten(0, 1), positions,
                                  ForwardContext(self.attention, metadata, self.draft_kv), logit_rows=last_rows)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -97,30 +98,19 @@ def checked_mask(span: SequenceSpan) -> torch.Tensor:
     return span.custom_mask.to(device="cpu", dtype=torch.bool).contiguous()
 
 
-def full_mask(span: SequenceSpan) -> torch.Tensor:
-    """[num_new, num_cached + num_new] CPU bool: the custom mask with its visible prefix spelled out."""
-    mask = checked_mask(span)
-    prefix = torch.ones(span.num_new, span.num_cached + span.num_new - mask.shape[1], dtype=torch.bool)
-    return torch.cat([prefix, mask], dim=1)
-
-
 def check_tree_mask(tree_mask: torch.Tensor, num_seqs: int, num_new: int) -> int:
     """The width W of a uniform pass's tree mask [num_seqs, num_new, W], after checking its shape."""
     if tree_mask.dim() != 3 or tuple(tree_mask.shape[:2]) != (num_seqs, num_new) or tree_mask.shape[2] < num_new:
         raise ValueError(f"tree mask shape {tuple(tree_mask.shape)}: expected [{num_seqs}, {num_new}, W >= {num_new}]")
     return tree_mask.shape[2]
 
-def padded_block_table(page_tables: Sequence[Sequence[int]], fill: int = 0,
-                       num_pages: torch.Tensor | None = None) -> torch.Tensor:
-    """[num_seqs, longest table (at least 1)] int32: each row a page table, padded with
-    `fill`. num_pages: the tables' lengths, when the caller has them as a tensor already."""
-    if num_pages is None:
-        num_pages = torch.tensor([len(table) for table in page_tables], dtype=torch.long)
-    pages = torch.tensor(list(chain.from_iterable(page_tables)), dtype=torch.int32)
-    width = max(1, int(num_pages.max())) if len(page_tables) else 1
-    block_table = torch.full((len(page_tables), width), fill, dtype=torch.int32)
-    block_table[torch.arange(width) < num_pages[:, None]] = pages  # row-major, as `pages` is packed
-    return block_table
+def padded_block_table(page_tables: Sequence[Sequence[int]], fill: int = 0) -> torch.Tensor:
+    """[num_seqs, longest table (at least 1)] int32 on the host: each row a page table,
+    padded with `fill` (numpy arithmetic: cheaper than torch ops on tensors this small)."""
+    num_pages = np.fromiter(map(len, page_tables), np.int64, count=len(page_tables))
+    table = np.full((len(page_tables), max(1, int(num_pages.max(initial=0)))), fill, dtype=np.int32)
+    table[np.arange(table.shape[1]) < num_pages[:, None]] = np.fromiter(chain.from_iterable(page_tables), np.int32)
+    return torch.from_numpy(table)
 
 
 def token_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from eaglesrv.kernels.attention.base import AttentionBackend, AttentionMetadata, SequenceSpan, full_mask
+from eaglesrv.kernels.attention.base import AttentionBackend, AttentionMetadata, SequenceSpan
 from eaglesrv.kernels.attention.cpu_build import load_cpu_attention
 from eaglesrv.kernels.attention.layout import PassLayout
 from eaglesrv.kernels.attention.torch_ref import SpanGroup, attend_groups, plan_groups, store_new_kv
@@ -86,7 +86,7 @@ def _plan_rows(layout: PassLayout, small: np.ndarray) -> KernelRows:
     masks = torch.zeros(0, dtype=torch.bool)
     masked = np.flatnonzero(custom & small)
     if len(masked):
-        spelled = [full_mask(layout.spans[i]).reshape(-1) for i in masked]
+        spelled = [layout.full_mask(i).reshape(-1) for i in masked]
         sizes = np.array([mask.numel() for mask in spelled])
         full_offset[masked] = np.cumsum(sizes) - sizes
         masks = torch.cat(spelled)

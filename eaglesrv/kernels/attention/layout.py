@@ -23,12 +23,11 @@ step's plan about four times cheaper; the fields are torch tensors sharing that 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
-from eaglesrv.kernels.attention.base import SequenceSpan, checked_mask
+from eaglesrv.kernels.attention.base import SequenceSpan, checked_mask, padded_block_table
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,7 @@ class PassLayout:
             raise ValueError("a page table is too short for its sequence")
         query_start = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(num_new, out=query_start[1:])
-        block_table = np.zeros((num_seqs, max(1, int(num_pages.max(initial=0)))), dtype=np.int32)
-        pages = chain.from_iterable(span.page_table for span in spans)
-        block_table[np.arange(block_table.shape[1]) < num_pages[:, None]] = np.fromiter(pages, np.int32)
+        block_table = padded_block_table([span.page_table for span in spans]).numpy()
         token_seq = np.repeat(np.arange(num_seqs), num_new)
         positions = (num_cached - query_start[:-1]).astype(np.int64)[token_seq] + np.arange(len(token_seq))
         new_slots = block_table[token_seq, positions // page_size].astype(np.int64) * page_size + positions % page_size
@@ -72,6 +69,18 @@ class PassLayout:
     @property
     def has_masks(self) -> bool:
         return bool(self.masks.numel())
+
+    def custom_mask(self, index: int) -> torch.Tensor:
+        """Sequence `index`'s custom mask [num_new, W], a view into `masks` (it has one)."""
+        offset, width = int(self.mask_offset[index]), int(self.mask_width[index])
+        return self.masks[offset : offset + int(self.num_new[index]) * width].view(-1, width)
+
+    def full_mask(self, index: int) -> torch.Tensor:
+        """[num_new, num_cached + num_new]: the custom mask with its visible prefix spelled out."""
+        mask = self.custom_mask(index)
+        prefix = torch.ones(mask.shape[0], int(self.num_cached[index]) + mask.shape[0] - mask.shape[1],
+                            dtype=torch.bool)
+        return torch.cat([prefix, mask], dim=1)
 
 
 def new_token_slots(spans: list[SequenceSpan], page_size: int) -> torch.Tensor:

@@ -147,10 +147,9 @@ def _plan_group(layout: PassLayout, members: list[int], size: int) -> SpanGroup:
     query_pos = torch.arange(size)
     mask = (key_pos[None, None, :] <= cached[:, None, None] + query_pos[None, :, None]) & key_valid[:, None, :]
     for g, span_index in enumerate(members):  # the keys before a custom mask's are visible under the causal rule
-        offset, width = int(layout.mask_offset[span_index]), int(layout.mask_width[span_index])
-        if offset >= 0:
-            end = int(total[g])
-            mask[g, :, end - width : end] = layout.masks[offset : offset + size * width].view(size, width)
+        if layout.mask_offset[span_index] >= 0:
+            custom, end = layout.custom_mask(span_index), int(total[g])
+            mask[g, :, end - custom.shape[1] : end] = custom
     query_rows = layout.query_start[index].long()[:, None] + query_pos[None, :]
     return SpanGroup(query_rows=query_rows, key_slots=key_slots, mask=mask.unsqueeze(1))
 

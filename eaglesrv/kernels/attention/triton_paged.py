@@ -1,6 +1,6 @@
 """The Triton backend: paged attention on CUDA (and, for tests, in Triton's CPU interpreter).
 
-plan() copies the pass's layout (layout.py, a few vectorized torch ops over the spans) to
+plan() copies the pass's layout (layout.py, a few vectorized ops over the spans) to
 the device in one host-to-device copy of an int32 buffer (plus one of the custom masks,
 when any span has one):
 
