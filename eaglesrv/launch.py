@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m eaglesrv.launch",
         description="Serve a model over OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models) "
                     "and SGLang's native one (/generate, /get_server_info). Flags follow sglang.launch_server.",
-        epilog="Flags whose features have not landed yet (CUDA graphs) are accepted; start-up says which "
-               "ones are ignored for now.",
+        epilog="Start-up names any flag that has no effect together with the others given.",
     )
     add_server_args(parser)
     add_engine_args(parser)

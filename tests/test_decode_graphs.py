@@ -130,6 +130,6 @@ class _ReadsTheHost(TorchAttentionBackend):
 def test_control_a_host_read_in_the_decode_step_is_refused_at_start_up(tiny_llama_dir, monkeypatch):
     from eaglesrv.engine import builder
 
-    monkeypatch.setattr(builder, "create_attention_backend", lambda name, page, device: _ReadsTheHost(page, device))
+    monkeypatch.setattr(builder, "select_attention_backend", lambda name, page, device, *_: _ReadsTheHost(page, device))
     with pytest.raises(GraphCaptureError, match="host sync during capture"):
         graphed_engine(tiny_llama_dir)

@@ -136,8 +136,8 @@ def test_control_a_host_value_baked_in_at_capture_breaks_the_output(tiny_llama_d
                                                                      monkeypatch):
     from eaglesrv.engine import builder
 
-    monkeypatch.setattr(builder, "create_attention_backend",
-                        lambda name, page, device: _BakesTheCachedLength(page, device))
+    monkeypatch.setattr(builder, "select_attention_backend",
+                        lambda name, page, device, *_: _BakesTheCachedLength(page, device))
     engine = graphed_engine(tiny_llama_dir, head_dir, (3, 2, 6))
     assert run_staggered(engine, random_prompts(LENGTHS, 256), GREEDY, every=2) != plain_outputs
 

@@ -1,12 +1,14 @@
-"""GPU checks (`-m gpu`; skipped without CUDA): the Triton kernels against their torch
-references on the device in bf16 and fp16 at serving-like shapes, greedy output through
-the Triton backend equal to the torch backend (plain and EAGLE-3), and plain decoding and
-EAGLE-3 (static and adaptive) with CUDA graphs equal to without. The mechanism's own replay
+"""GPU checks (`-m gpu`; skipped without CUDA): the Triton and flashinfer attention backends
+against the torch reference on the device in bf16 and fp16 at serving-like shapes, greedy
+output through them equal to the torch backend (plain and EAGLE-3), and plain decoding and
+EAGLE-3 (static and adaptive) with CUDA graphs equal to without. The flashinfer cases are
+skipped where flashinfer is not installed (scripts/gpu_check.sh installs it). The mechanism's own replay
 check is test_graph_capture.py's `test_cuda_graph_replay_equals_eager`. On a lent GPU
 machine `bash scripts/gpu_check.sh` runs them all.
 
 The same cases run on the CPU in Triton's interpreter (test_triton_attention.py,
-test_eagle3_device_kernels.py) at small shapes; here they run compiled, where races and
+test_eagle3_device_kernels.py) and flashinfer's through a stand-in that computes from its
+arguments (test_flashinfer_backend.py) at small shapes; here they run compiled, where races and
 out-of-bounds accesses can show.
 """
 
@@ -29,6 +31,7 @@ from test_triton_attention import MIXED, random_batch
 
 from eaglesrv.engine.eagle3.verify import accept_greedy
 from eaglesrv.kernels.attention import create_attention_backend
+from eaglesrv.kernels.attention.flashinfer_paged import flashinfer_installed
 from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 from eaglesrv.kernels.eagle3 import compact_kv, greedy_accept
 
@@ -37,17 +40,23 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 # the small mixed batch plus long decodes, a 32-node tree deep in its context, a long prefill
 SERVING_MIX = MIXED + [(700, 1, False), (1500, 1, False), (900, 32, True), (0, 300, False), (64, 64, False)]
+DECODE_MIX = [(700, 1, False), (1500, 1, False), (3, 1, False), (64, 1, False)]
+FLASHINFER = pytest.param("flashinfer", marks=pytest.mark.skipif(not flashinfer_installed(),
+                                                                 reason="flashinfer is not installed"))
+DEVICE_BACKENDS = ["triton", FLASHINFER]
 
 
+@pytest.mark.parametrize("mix", [SERVING_MIX, DECODE_MIX], ids=["serving-mix", "decodes"])
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64), (8, 8, 64)], ids=lambda h: "q%d-kv%d-d%d" % h)
-def test_triton_attention_matches_torch(heads, dtype):
-    spans, k_cache, v_cache, q, k, v = random_batch(SERVING_MIX, heads, 16, dtype)
+def test_device_attention_matches_torch(heads, dtype, backend, mix):
+    spans, k_cache, v_cache, q, k, v = random_batch(mix, heads, 16, dtype)
     scale = heads[2] ** -0.5
     reference = TorchAttentionBackend(16, CPU)
     expected_k, expected_v = k_cache.float(), v_cache.float()
     expected = reference.forward(q.float(), k.float(), v.float(), expected_k, expected_v, reference.plan(spans), scale)
-    backend = create_attention_backend("triton", 16, CUDA)
+    backend = create_attention_backend(backend, 16, CUDA)
     k_gpu, v_gpu = k_cache.to(CUDA), v_cache.to(CUDA)
     out = backend.forward(q.to(CUDA), k.to(CUDA), v.to(CUDA), k_gpu, v_gpu, backend.plan(spans), scale)
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2e-2, atol=2e-2)
@@ -89,8 +98,9 @@ def _greedy_outputs(config) -> tuple[list[list[int]], dict]:
     return outputs, engine.spec_stats
 
 
+@pytest.mark.parametrize("backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_output_through_triton_equals_torch(tiny_llama_dir, tmp_path, dtype):
+def test_greedy_output_through_device_kernels_equals_torch(tiny_llama_dir, tmp_path, dtype, backend):
     from eagle3_helpers import save_random_head, spec_config
 
     head_dir = save_random_head(tiny_llama_dir, tmp_path / "head")
@@ -100,12 +110,12 @@ def test_greedy_output_through_triton_equals_torch(tiny_llama_dir, tmp_path, dty
                                               device="cuda", dtype=dtype),
     }
     for mode, make in configs.items():
-        (torch_out, _), (triton_out, stats) = (_greedy_outputs(make(name)) for name in ("torch", "triton"))
-        assert triton_out == torch_out, mode
+        (torch_out, _), (device_out, stats) = (_greedy_outputs(make(name)) for name in ("torch", backend))
+        assert device_out == torch_out, mode
         assert mode == "plain" or stats["spec_verifications"] > 0
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", FLASHINFER])
 def test_decode_graphs_equal_eager_on_cuda(tiny_llama_dir, backend):
     from engine_helpers import random_prompts, run_staggered
 
@@ -125,7 +135,7 @@ def test_decode_graphs_equal_eager_on_cuda(tiny_llama_dir, backend):
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["static", "adaptive"])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", FLASHINFER])
 def test_eagle3_graphs_equal_eager_on_cuda(tiny_llama_dir, tmp_path, backend, adaptive):
     from eagle3_helpers import save_random_head, spec_config
     from engine_helpers import random_prompts, run_staggered

@@ -5,14 +5,11 @@ Small shapes: the interpreter runs every program one after another in numpy.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from conftest import engine_config
 
-from eaglesrv.configs import RuntimeConfig
-from eaglesrv.kernels.attention import SequenceSpan, create_attention_backend, resolve_backend_name
+from eaglesrv.kernels.attention import SequenceSpan, create_attention_backend
 from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 from eaglesrv.kernels.triton_support import triton_usable
 
@@ -166,20 +163,6 @@ def test_greedy_output_equals_the_torch_backend(tiny_llama_dir):
     assert outputs["triton"] == outputs["torch"]
 
 
-def test_flashinfer_falls_back_with_one_warning(monkeypatch, caplog):
-    from eaglesrv.kernels.attention import registry
-
-    cuda = torch.device("cuda")  # only resolved, never allocated on
-    with caplog.at_level(logging.WARNING, logger=registry.__name__):
-        assert resolve_backend_name("flashinfer", cuda) == "triton"
-    assert [r.levelno for r in caplog.records] == [logging.WARNING] and "not landed" in caplog.text
-    assert resolve_backend_name("auto", cuda) == "triton"
-    monkeypatch.setattr(registry, "triton_installed", lambda: False)
-    assert resolve_backend_name("flashinfer", cuda) == "torch"
-    assert resolve_backend_name("auto", cuda) == "torch"
-    assert RuntimeConfig(attention_backend="triton").attention_backend == "triton"
-
-
 def test_triton_on_the_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1") as refused:
@@ -205,30 +188,3 @@ def test_eagle3_greedy_output_equals_the_torch_backend(tiny_llama_dir, tmp_path)
     assert outputs["triton"] == outputs["torch"]
 
 
-def test_start_up_self_check_keeps_a_correct_backend_and_replaces_a_wrong_one(caplog):
-    from eaglesrv.kernels.attention.self_check import checked_backend
-    from eaglesrv.kernels.attention.triton_paged import TritonAttentionBackend
-
-    class OffByALittle(TritonAttentionBackend):  # a miscompiled kernel: plausible, slightly wrong
-        def forward(self, *args):
-            return super().forward(*args) * 1.01
-
-    class Crashing(TritonAttentionBackend):  # a kernel that fails to compile or launch
-        def forward(self, *args):
-            raise RuntimeError("PTX assembly aborted\nmore lines")
-
-    class NotWriting(TritonAttentionBackend):  # attends correctly but never stores the new K/V
-        def forward(self, q, k, v, k_cache, v_cache, metadata, scale):
-            return super().forward(q, k, v, k_cache.clone(), v_cache.clone(), metadata, scale)
-
-    shapes = [(4, 2, 64), (2, 1, 32)]
-    correct = TritonAttentionBackend(4, CPU)
-    assert checked_backend(correct, shapes, torch.float32) is correct
-    for wrong, reason in ((OffByALittle, "differs"), (Crashing, "RuntimeError: PTX"), (NotWriting, "not written")):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING):
-            replaced = checked_backend(wrong(4, CPU), shapes, torch.float32)
-        assert isinstance(replaced, TorchAttentionBackend) and replaced.page_size == 4
-        assert reason in caplog.text and "more lines" not in caplog.text
-    torch_backend = TorchAttentionBackend(4, CPU)
-    assert checked_backend(torch_backend, shapes, torch.float32) is torch_backend  # the oracle is not checked

@@ -78,8 +78,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Verify the tree the flags above describe at every step, as SGLang does.", store_false=True),
     Flag(("--device",), "runtime", "device", "Where to run.", str, DEVICES),
     Flag(("--attention-backend",), "runtime", "attention_backend",
-         "Attention kernels: auto (triton on CUDA, the C++ kernel on the CPU), torch (the reference), cpu, "
-         "triton, flashinfer (not landed yet: falls back to auto).", str, ATTENTION_BACKENDS),
+         "Attention kernels: auto (on CUDA flashinfer, then triton, each checked at start-up against the torch "
+         "reference and skipped if it fails; the C++ kernel on the CPU), torch (the reference), cpu, triton, "
+         "flashinfer (a backend named here that fails its check stops start-up).", str, ATTENTION_BACKENDS),
     Flag(("--cuda-graph-max-bs",), "runtime", "cuda_graph_max_bs", "Largest batch captured in a CUDA graph.", int),
     Flag(("--disable-cuda-graph",), "runtime", "disable_cuda_graph", "Run every pass eagerly.", store_true=True),
     Flag(("--num-threads",), "runtime", "num_threads", "CPU threads for torch.", int),

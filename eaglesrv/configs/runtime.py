@@ -14,8 +14,8 @@ class RuntimeConfig:
     """Where and how forward passes run."""
 
     device: str = "auto"  # auto: cuda when available, else cpu
-    # auto: triton on CUDA when installed; cpu on the CPU when it builds; else torch.
-    # flashinfer has not landed: it warns and falls back as auto does.
+    # auto: on CUDA the first of flashinfer, triton, torch that passes its start-up check;
+    # on the CPU cpu when it builds, else torch (kernels/attention/self_check.py).
     attention_backend: str = "auto"
     cuda_graph_max_bs: int | None = None  # None: DEFAULT_CUDA_GRAPH_MAX_BS, within --max-running-requests
     disable_cuda_graph: bool = False

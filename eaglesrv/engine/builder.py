@@ -40,9 +40,8 @@ from eaglesrv.engine.plain_runner import PlainRunner
 from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.engine.tree_shape import TreeShape
 from eaglesrv.heads import DEFAULT_MODEL_HEAD, default_model_head
-from eaglesrv.kernels.attention import create_attention_backend
 from eaglesrv.kernels.attention.base import AttentionBackend
-from eaglesrv.kernels.attention.self_check import checked_backend
+from eaglesrv.kernels.attention.self_check import select_attention_backend
 from eaglesrv.scheduler import Scheduler
 from eaglesrv.utils.malloc import keep_freed_memory
 
@@ -94,9 +93,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     adaptive = spec.enabled and spec.adaptive
     feature_width = draft.fc.in_features if adaptive else 0  # a row of the adaptive feature pool
     page_size = config.cache.page_size
-    attention = create_attention_backend(config.runtime.attention_backend, page_size, device)
     head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (arch, draft.config.arch if draft else None) if a]
-    attention = checked_backend(attention, head_shapes, dtype)
+    attention = select_attention_backend(config.runtime.attention_backend, page_size, device, head_shapes, dtype)
     graph_batch = _graph_batch_size(config, device, attention)
     max_pages = -(-max_context_len // page_size)  # the widest block table a graph takes
     tree = TreeShape.from_config(spec) if draft is not None else None

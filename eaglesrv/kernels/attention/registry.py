@@ -1,38 +1,36 @@
-"""Attention backends by name. Triton and the CPU kernel are loaded only when asked for."""
+"""Attention backends by name. flashinfer, Triton and the CPU kernel are loaded only when asked for."""
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from eaglesrv.kernels.attention.base import AttentionBackend
 from eaglesrv.kernels.triton_support import triton_installed, triton_unusable_reason, triton_usable
 
-logger = logging.getLogger(__name__)
-
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "flashinfer")
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto": the Triton kernels on CUDA when triton is installed; the C++ kernel on the CPU
-    when it builds (it compiles once per machine); the torch reference otherwise.
-    "flashinfer" has not landed: it warns and resolves as "auto" does."""
-    if name == "flashinfer":
-        fallback = resolve_backend_name("auto", device)
-        logger.warning("the flashinfer attention backend has not landed yet; using %s", fallback)
-        return fallback
-    if name != "auto":
-        return name
+def auto_backend_names(device: torch.device) -> list[str]:
+    """What "auto" tries, best first (the start-up self-check moves down the list, see
+    self_check.py): on CUDA flashinfer, then the Triton kernels, each when installed; on
+    the CPU the C++ kernel when it builds (it compiles once per machine); the torch
+    reference last everywhere."""
     if device.type == "cuda":
-        return "triton" if triton_installed() else "torch"
+        from eaglesrv.kernels.attention.flashinfer_paged import flashinfer_installed
+
+        return [name for name, ok in (("flashinfer", flashinfer_installed()), ("triton", triton_installed())) if ok] \
+            + ["torch"]
     from eaglesrv.kernels.attention.cpu_build import cpu_attention_available
 
-    return "cpu" if device.type == "cpu" and cpu_attention_available() else "torch"
+    return (["cpu"] if device.type == "cpu" and cpu_attention_available() else []) + ["torch"]
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    return auto_backend_names(device)[0] if name == "auto" else name
 
 
 def create_attention_backend(name: str, page_size: int, device: torch.device) -> AttentionBackend:
-    """name: one of BACKEND_NAMES."""
+    """name: one of BACKEND_NAMES ("auto": the first of auto_backend_names, unchecked)."""
     name = resolve_backend_name(name, device)
     if name == "torch":
         from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
@@ -49,4 +47,11 @@ def create_attention_backend(name: str, page_size: int, device: torch.device) ->
         from eaglesrv.kernels.attention.triton_paged import TritonAttentionBackend
 
         return TritonAttentionBackend(page_size, device)
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend runs on CUDA, not {device.type}; "
+                             "choose another --attention-backend (cpu on the CPU)")
+        from eaglesrv.kernels.attention.flashinfer_paged import FlashinferAttentionBackend
+
+        return FlashinferAttentionBackend(page_size, device)
     raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(BACKEND_NAMES)}")

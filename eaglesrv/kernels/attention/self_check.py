@@ -1,11 +1,17 @@
-"""A start-up check of a device backend against the torch reference, at the model's shapes.
+"""Choosing the attention backend at start-up, each candidate checked against the torch reference.
 
-Compiled kernels can go wrong in ways no CPU test shows (a Triton or driver version that
-miscompiles, a head shape never tried). Before serving, a backend in SELF_CHECKED runs one
-small batch (a decode, a prefill chunk over a cached prefix, a tree under a custom mask) on
-the device at each head shape and dtype the model uses, and is compared with the torch
-reference on the same device. A backend that fails, or raises, is replaced by the torch
-reference with the reason in the log: slower, never wrong tokens.
+Compiled kernels can go wrong in ways no CPU test shows (a flashinfer, Triton or driver
+version that miscompiles, a head shape never tried). Before serving, a backend in
+SELF_CHECKED runs one small mixed batch (a decode, a prefill chunk over a cached prefix, a
+tree under a custom mask) on the device at each head shape the model uses, in the serving
+dtype, planned on the host as eager passes are; when it can run in graphs, also a decode
+pass and a tree pass built on the device as graphs build them. Each is compared with the
+torch reference on the same device.
+
+With `--attention-backend auto` a backend that fails, or raises (building it too), is
+skipped with the reason in the log and the next one is tried: flashinfer, then Triton,
+then the torch reference on CUDA (registry.auto_backend_names). Slower, never wrong tokens.
+A backend named explicitly fails start-up instead, with the reason.
 """
 
 from __future__ import annotations
@@ -14,59 +20,128 @@ import logging
 
 import torch
 
-from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
+from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan, padded_block_table
+from eaglesrv.kernels.attention.registry import auto_backend_names, create_attention_backend
 from eaglesrv.kernels.attention.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-SELF_CHECKED = frozenset({"triton"})
+SELF_CHECKED = frozenset({"flashinfer", "triton"})
 HeadShape = tuple[int, int, int]  # (query heads, kv heads, head dim)
+_TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
 
 
-def checked_backend(backend: AttentionBackend, head_shapes: list[HeadShape], dtype: torch.dtype) -> AttentionBackend:
-    """`backend` if it passes at every head shape (or needs no check), else the torch reference."""
+class AttentionBackendError(ValueError):
+    """The backend named by --attention-backend cannot serve on this machine."""
+
+
+def select_attention_backend(name: str, page_size: int, device: torch.device, head_shapes: list[HeadShape],
+                             dtype: torch.dtype) -> AttentionBackend:
+    """The first of `name`'s candidates that builds and passes its check ("auto": every
+    backend auto_backend_names lists; any other name: that one, or an error)."""
+    candidates = auto_backend_names(device) if name == "auto" else [name]
+    for candidate in candidates:
+        try:
+            backend = create_attention_backend(candidate, page_size, device)
+        except Exception as error:
+            if name != "auto":
+                raise
+            failure = _one_line(error)
+        else:
+            failure = backend_check_failure(backend, head_shapes, dtype)
+            if failure is None:
+                if candidate in SELF_CHECKED:
+                    logger.info("the %s attention backend passed its start-up check (%s)", candidate, dtype)
+                return backend
+        if name != "auto":
+            raise AttentionBackendError(f"--attention-backend {name} failed its start-up check: {failure}")
+        logger.warning("the %s attention backend cannot serve (%s); trying the next one", candidate, failure)
+    raise AssertionError("the torch reference ends every candidate list and is not checked")
+
+
+def backend_check_failure(backend: AttentionBackend, head_shapes: list[HeadShape], dtype: torch.dtype) -> str | None:
+    """None when `backend` needs no check or passes at every head shape, else why not."""
     if backend.name not in SELF_CHECKED:
-        return backend
+        return None
     for shape in dict.fromkeys(head_shapes):
         failure = self_check_failure(backend, shape, dtype)
         if failure is not None:
-            logger.warning("the %s attention backend failed its start-up check at heads %s in %s (%s); "
-                           "using the torch reference instead", backend.name, shape, dtype, failure)
-            return TorchAttentionBackend(backend.page_size, backend.device)
-    logger.info("the %s attention backend passed its start-up check (%s)", backend.name, dtype)
-    return backend
+            return f"at heads {shape} in {dtype}: {failure}"
+    return None
 
 
 def self_check_failure(backend: AttentionBackend, heads: HeadShape, dtype: torch.dtype) -> str | None:
-    """None when the backend's output and cache writes match the torch reference, else why not."""
-    num_heads, num_kv_heads, head_dim = heads
-    page, device = backend.page_size, backend.device
-    g = torch.Generator().manual_seed(0)
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    shapes = [(37, 1, None), (5, 19, None), (20, 4, tree)]  # (cached, new, mask)
-    pages_needed = [-(-(cached + new) // page) for cached, new, _ in shapes]
-    order = torch.randperm(sum(pages_needed) + 2, generator=g).tolist()  # scattered pages
-    spans = []
-    for (cached, new, mask), count in zip(shapes, pages_needed):
-        spans.append(SequenceSpan([order.pop() for _ in range(count)], cached, new, mask))
-    slots = (sum(pages_needed) + 2) * page
-    tokens = sum(new for _, new, _ in shapes)
-    k_cache, v_cache = (torch.randn(slots, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
-    q = torch.randn(tokens, num_heads, head_dim, generator=g).to(device, dtype)
-    k, v = (torch.randn(tokens, num_kv_heads, head_dim, generator=g).to(device, dtype) for _ in range(2))
-    scale = head_dim**-0.5
-    reference = TorchAttentionBackend(page, device)
-    ref_k, ref_v = k_cache.float().clone(), v_cache.float().clone()  # never the backend's own caches
-    expected = reference.forward(q.float(), k.float(), v.float(), ref_k, ref_v, reference.plan(spans), scale)
+    """None when the backend's outputs and cache writes match the torch reference, else why not."""
+    case = _Case(heads, backend.page_size, backend.device, dtype)
+    shapes = [(37, 1, None), (5, 19, None), (20, 4, _TREE)]  # (cached, new, mask): a decode, an extend, a tree
     try:
-        out = backend.forward(q, k, v, k_cache, v_cache, backend.plan(spans), scale)
+        failure = case.compare(backend, case.spans(shapes), "mixed batch")
+        if failure is None and backend.graph_safe:
+            failure = case.compare(backend, case.spans([(37, 1, None), (3, 1, None)]), "graph decode pass",
+                                   uniform=True)
+        if failure is None and backend.graph_safe:
+            failure = case.compare(backend, case.spans([(20, 4, _TREE), (9, 4, _TREE)]), "graph tree pass",
+                                   uniform=True)
     except Exception as error:  # a compile or launch failure: fall back, say why
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    error = (out.float() - expected).abs().max().item()
-    if not error <= tolerance:  # also catches NaN
-        return f"output differs from the torch reference by {error:.3g}"
-    written = ((k_cache, ref_k), (v_cache, ref_v))
-    if not all(torch.equal(cache.float(), ref.to(dtype).float()) for cache, ref in written):
-        return "the new K/V were not written where the reference writes them"
-    return None
+        return _one_line(error)
+    return failure
+
+
+class _Case:
+    """Random caches and queries at one head shape; spans on scattered pages."""
+
+    def __init__(self, heads: HeadShape, page_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.heads, self.page, self.device, self.dtype = heads, page_size, device, dtype
+        self.generator = torch.Generator().manual_seed(0)
+        self.num_pages = 0
+
+    def spans(self, shapes) -> list[SequenceSpan]:
+        """Spans for these (cached, new, mask) on scattered pages (the caches `compare` makes hold them)."""
+        self.num_pages = 2 + sum(-(-(cached + new) // self.page) for cached, new, _ in shapes)
+        order = torch.randperm(self.num_pages, generator=self.generator).tolist()
+        spans = []
+        for cached, new, mask in shapes:
+            pages = [order.pop() for _ in range(-(-(cached + new) // self.page))]
+            spans.append(SequenceSpan(pages, cached, new, mask))
+        return spans
+
+    def _random(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator)
+
+    def compare(self, backend: AttentionBackend, spans: list[SequenceSpan], what: str, uniform: bool = False):
+        num_heads, num_kv_heads, head_dim = self.heads
+        tokens = sum(span.num_new for span in spans)
+        k_cache, v_cache = (self._random(self.num_pages * self.page, num_kv_heads, head_dim) for _ in range(2))
+        q = self._random(tokens, num_heads, head_dim)
+        k, v = (self._random(tokens, num_kv_heads, head_dim) for _ in range(2))
+        scale = head_dim**-0.5
+        reference = TorchAttentionBackend(self.page, self.device)
+        # copies: .to() returns the tensor itself when nothing changes, and each side writes its own
+        ref_k, ref_v = (cache.to(self.device, self.dtype).float().clone() for cache in (k_cache, v_cache))
+        expected = reference.forward(*(t.to(self.device) for t in (q, k, v)), ref_k, ref_v,
+                                     self._metadata(reference, spans, uniform), scale)
+        caches = [cache.to(self.device, self.dtype).clone() for cache in (k_cache, v_cache)]
+        out = backend.forward(*(t.to(self.device, self.dtype) for t in (q, k, v)), *caches,
+                              self._metadata(backend, spans, uniform), scale)
+        tolerance = 1e-4 if self.dtype == torch.float32 else 3e-2
+        error = (out.float() - expected).abs().max().item()
+        if not error <= tolerance:  # also catches NaN
+            return f"{what}: output differs from the torch reference by {error:.3g}"
+        written = zip(caches, (ref_k, ref_v))
+        if not all(torch.equal(cache.float(), ref.to(self.dtype).float()) for cache, ref in written):
+            return f"{what}: the new K/V were not written where the reference writes them"
+        return None
+
+    def _metadata(self, backend: AttentionBackend, spans: list[SequenceSpan], uniform: bool):
+        if not uniform:
+            return backend.plan(spans)
+        table = padded_block_table([span.page_table for span in spans]).to(self.device)
+        num_cached = torch.tensor([span.num_cached for span in spans], dtype=torch.int32, device=self.device)
+        masks = None
+        if spans[0].custom_mask is not None:
+            masks = torch.stack([span.custom_mask for span in spans]).to(self.device)
+        return backend.uniform_metadata(table, num_cached, spans[0].num_new, masks)
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
