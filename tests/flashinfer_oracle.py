@@ -11,6 +11,8 @@ kernels read them:
 - run() reads the NHD pages [pages, page_size, kv_heads, head_dim] through kv_indices, and
   the mask bit by bit from the packed bytes at the byte offsets, as flashinfer's kernel does
   (`mask[offset / 8] >> (offset % 8) & 1`, offset = query * kv_len + key);
+- in graph mode (`use_cuda_graph`) plan() writes the schedule into the fixed buffers given
+  at construction, and a captured run() reads whatever the latest plan() left there;
 - causal is bottom-right aligned: query i of qo_len sees keys j <= kv_len - qo_len + i.
 It never looks at eaglesrv's spans or layout, so a backend that agrees with the torch
 reference through it passes flashinfer exactly what flashinfer needs.
@@ -25,9 +27,19 @@ import torch
 
 
 class _Wrapper:
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+    """plan() leaves its schedule in tensors; run() is one op that reads them when it runs, so
+    a graph captured over run() reads what the latest plan() wrote, as flashinfer's graph
+    mode does. In graph mode plan() writes into the fixed buffers given at construction."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None) -> None:
         assert kv_layout == "NHD"
         self.workspace = float_workspace_buffer
+        self.use_cuda_graph = use_cuda_graph
+        self.buffers = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf)
+        if use_cuda_graph:
+            assert all(isinstance(b, torch.Tensor) and b.dtype == torch.int32 for b in self.buffers[1:])
         self.plans = 0
         self.planned = None
 
@@ -39,19 +51,31 @@ class _Wrapper:
         num_pages = kv_indptr.diff().long()
         assert bool((last_page_len >= 1).all() and (last_page_len <= page_size).all())
         kv_len = (num_pages - 1) * page_size + last_page_len.long()
-        packed = byte_offsets = None
+        packed, byte_offsets = torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.long)
         if custom_mask is not None:
+            assert not self.use_cuda_graph, "eaglesrv's graph passes carry no custom mask"
             bit_offsets = torch.cat([torch.zeros(1, dtype=torch.long), (qo_len * kv_len).cumsum(0)])
             flat = custom_mask.cpu().numpy()
             assert flat.dtype == np.bool_ and len(flat) == int(bit_offsets[-1]), "mask length disagrees with lengths"
             parts = [np.packbits(flat[a:b], bitorder="little") for a, b in zip(bit_offsets[:-1], bit_offsets[1:])]
-            byte_offsets = np.concatenate([[0], np.cumsum([len(part) for part in parts])])
-            packed = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+            byte_offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(part) for part in parts])]))
+            packed = torch.from_numpy(np.concatenate(parts))
+        schedule = (qo_indptr, kv_indptr, kv_indices, last_page_len)
+        if self.use_cuda_graph:  # into the fixed buffers, as flashinfer's plan() copies
+            qo_buf, kv_buf, indices_buf, last_buf = self.buffers
+            assert len(kv_buf) == len(kv_indptr) and len(indices_buf) >= len(kv_indices), "batch differs from capture"
+            if qo_buf is None:  # the decode wrapper's: one query per row
+                qo_buf = torch.zeros_like(kv_buf)
+                self.buffers = (qo_buf, *self.buffers[1:])
+            for buffer, values in zip((qo_buf, kv_buf, indices_buf, last_buf), schedule):
+                buffer[: len(values)].copy_(values)
+            schedule = (qo_buf, kv_buf, indices_buf, last_buf)
+        else:
+            schedule = tuple(tensor.clone() for tensor in schedule)
         self.plans += 1
         self.planned = types.SimpleNamespace(
-            qo_indptr=qo_indptr.cpu().long(), kv_indptr=kv_indptr.cpu().long(), kv_indices=kv_indices.cpu().long(),
-            kv_len=kv_len, heads=(num_qo_heads, num_kv_heads, head_dim), page_size=page_size, packed=packed,
-            byte_offsets=byte_offsets, causal=causal, scale=sm_scale, q_dtype=q_data_type, kv_dtype=kv_data_type,
+            schedule=schedule, packed=packed, byte_offsets=byte_offsets, heads=(num_qo_heads, num_kv_heads, head_dim),
+            page_size=page_size, causal=causal, scale=sm_scale, q_dtype=q_data_type, kv_dtype=kv_data_type,
         )
 
     def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -60,31 +84,46 @@ class _Wrapper:
         assert q.dtype == plan.q_dtype and k_pages.dtype == plan.kv_dtype
         assert tuple(q.shape[1:]) == (plan.heads[0], plan.heads[2])
         assert tuple(k_pages.shape[1:]) == (plan.page_size, plan.heads[1], plan.heads[2]) == tuple(v_pages.shape[1:])
-        out = torch.empty_like(q)
-        for b in range(len(plan.kv_len)):
-            q0, q1 = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
-            pages = plan.kv_indices[int(plan.kv_indptr[b]) : int(plan.kv_indptr[b + 1])]
-            kv_len, qo_len = int(plan.kv_len[b]), q1 - q0
-            keys = k_pages[pages].reshape(-1, *k_pages.shape[2:])[:kv_len].float()
-            values = v_pages[pages].reshape(-1, *v_pages.shape[2:])[:kv_len].float()
-            group = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-            allowed = self._allowed(b, qo_len, kv_len)
-            scores = torch.einsum("mhd,nhd->hmn", q[q0:q1].float(), keys) * plan.scale
-            weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            out[q0:q1] = torch.einsum("hmn,nhd->mhd", weights, values).to(q.dtype)
-        return out
+        return torch.ops.eaglesrv_tests.flashinfer_stand_in_run(
+            q, k_pages, v_pages, *plan.schedule, plan.packed, plan.byte_offsets, plan.causal, plan.scale)
 
-    def _allowed(self, b: int, qo_len: int, kv_len: int) -> torch.Tensor:
-        plan = self.planned
+
+@torch.library.custom_op("eaglesrv_tests::flashinfer_stand_in_run", mutates_args=())
+def flashinfer_stand_in_run(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor, last_page_len: torch.Tensor, packed: torch.Tensor, byte_offsets: torch.Tensor,
+    causal: bool, scale: float,
+) -> torch.Tensor:
+    """Attention from the schedule's current contents, as flashinfer's kernels read it."""
+    page_size = k_pages.shape[1]
+    out = torch.empty_like(q)
+    for b in range(len(last_page_len)):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        p0, p1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
+        kv_len, qo_len = (p1 - p0 - 1) * page_size + int(last_page_len[b]), q1 - q0
+        pages = kv_indices[p0:p1].long()
+        keys = k_pages[pages].reshape(-1, *k_pages.shape[2:])[:kv_len].float()
+        values = v_pages[pages].reshape(-1, *v_pages.shape[2:])[:kv_len].float()
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         query, key = torch.arange(qo_len)[:, None], torch.arange(kv_len)[None, :]
-        if plan.packed is not None:
-            offset = (query * kv_len + key).numpy()
-            part = plan.packed[plan.byte_offsets[b] :]
-            return torch.from_numpy(((part[offset // 8] >> (offset % 8)) & 1).astype(bool))
-        if plan.causal:
-            return key <= kv_len - qo_len + query
-        return torch.ones(qo_len, kv_len, dtype=torch.bool)
+        if len(packed):  # bit (query * kv_len + key) of the sequence's bytes, little-endian
+            offset = query * kv_len + key
+            part = packed[int(byte_offsets[b]) :].long()
+            allowed = ((part[offset // 8] >> (offset % 8)) & 1).bool()
+        elif causal:  # bottom-right aligned
+            allowed = key <= kv_len - qo_len + query
+        else:
+            allowed = torch.ones(qo_len, kv_len, dtype=torch.bool)
+        scores = torch.einsum("mhd,nhd->hmn", q[q0:q1].float(), keys) * scale
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[q0:q1] = torch.einsum("hmn,nhd->mhd", weights, values).to(q.dtype)
+    return out
+
+
+@flashinfer_stand_in_run.register_fake
+def _(q, k_pages, v_pages, qo_indptr, kv_indptr, kv_indices, last_page_len, packed, byte_offsets, causal, scale):
+    return torch.empty_like(q)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -96,8 +135,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_tensor_cores=False):
-        super().__init__(float_workspace_buffer, kv_layout)
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, None, paged_kv_indptr_buffer,
+                         paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.use_tensor_cores = use_tensor_cores
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
@@ -120,4 +161,15 @@ def stand_in_module() -> types.SimpleNamespace:
 
     module.BatchPrefillWithPagedKVCacheWrapper = make(BatchPrefillWithPagedKVCacheWrapper)
     module.BatchDecodeWithPagedKVCacheWrapper = make(BatchDecodeWithPagedKVCacheWrapper)
+    return module
+
+
+def serve_through_stand_in(monkeypatch) -> types.SimpleNamespace:
+    """Engines built from here on use the flashinfer backend over a new stand-in module (returned)."""
+    from eaglesrv.engine import builder
+    from eaglesrv.kernels.attention.flashinfer_paged import FlashinferAttentionBackend
+
+    module = stand_in_module()
+    monkeypatch.setattr(builder, "select_attention_backend", lambda name, page, device, *_: (
+        FlashinferAttentionBackend(page, device, module=module, workspace_bytes=16)))
     return module

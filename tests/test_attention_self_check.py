@@ -49,19 +49,21 @@ class WrongInGraphs(TritonAttentionBackend):  # host-planned passes right, passe
         return super().uniform_metadata(block_table, num_cached + 1, num_new, tree_mask)
 
 
-def flashinfer_stand_in(wrong: bool = False):
-    """A flashinfer backend over the stand-in module, optionally returning wrong numbers."""
+def flashinfer_stand_in(wrong: bool = False, wrong_in_graphs: bool = False):
+    """A flashinfer backend over the stand-in module, optionally returning wrong numbers from
+    its prefill wrapper, or from its decode wrapper in graph mode."""
     module = stand_in_module()
-    if wrong:
-        build = module.BatchPrefillWithPagedKVCacheWrapper
+    name = "BatchDecodeWithPagedKVCacheWrapper" if wrong_in_graphs else "BatchPrefillWithPagedKVCacheWrapper"
+    build = getattr(module, name)
 
-        def off_by_a_little(*args, **kwargs):
-            wrapper = build(*args, **kwargs)
+    def maybe_off_by_a_little(*args, **kwargs):
+        wrapper = build(*args, **kwargs)
+        if wrong or (wrong_in_graphs and wrapper.use_cuda_graph):
             run = wrapper.run
             wrapper.run = lambda *a: run(*a) * 1.01
-            return wrapper
+        return wrapper
 
-        module.BatchPrefillWithPagedKVCacheWrapper = off_by_a_little
+    setattr(module, name, maybe_off_by_a_little)
     return lambda page, device: FlashinferAttentionBackend(page, device, module=module, workspace_bytes=16)
 
 
@@ -75,6 +77,9 @@ def test_the_check_passes_correct_backends_and_names_what_a_wrong_one_got_wrong(
         assert reason in failure and "more lines" not in failure and "(4, 2, 64)" in failure
     failure = self_check.backend_check_failure(flashinfer_stand_in(wrong=True)(4, CPU), SHAPES, torch.float32)
     assert "mixed batch: output differs" in failure
+    failure = self_check.backend_check_failure(flashinfer_stand_in(wrong_in_graphs=True)(4, CPU), SHAPES,
+                                               torch.float32)
+    assert "graph decode pass: output differs" in failure
     # the oracle itself is not checked
     assert self_check.backend_check_failure(TorchAttentionBackend(4, CPU), SHAPES, torch.float32) is None
 

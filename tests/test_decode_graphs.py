@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import engine_config
 from engine_helpers import hf_greedy, random_prompts, run_staggered
+from flashinfer_oracle import serve_through_stand_in
 from transformers import AutoModelForCausalLM
 
 from eaglesrv.engine.graphs import GraphCaptureError
@@ -78,6 +79,37 @@ def test_triton_decode_graphs_equal_transformers(tiny_llama_dir, expected):
     short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert [r.output_token_ids for r in engine.generate(prompts, short)] == [e[:4] for e in expected[:3]]
     assert engine.runner.decode_graphs.runner.replays[4] > 0
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1")
+def test_flashinfer_decode_graphs_equal_transformers(tiny_llama_dir, expected, monkeypatch):
+    """flashinfer's graph passes read a schedule that plan() wrote on the host before the
+    replay (its stand-in here): every replay must be planned for its own batch."""
+    module = serve_through_stand_in(monkeypatch)
+    engine = graphed_engine(tiny_llama_dir)
+    assert engine.runner.attention.name == "flashinfer"
+    assert run_staggered(engine, random_prompts(LENGTHS, 256), GREEDY, every=2) == expected
+    replays = engine.runner.decode_graphs.runner.replays
+    assert replays[4] > 0 and replays[2] > 0 and replays[1] > 0
+    graphed = [wrapper for wrapper in module.made if wrapper.use_cuda_graph]
+    assert len(graphed) == 3  # one decode wrapper per rung, with fixed buffers
+    assert sum(wrapper.plans for wrapper in graphed) >= sum(replays.values())
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1")
+def test_control_a_graph_replayed_on_its_capture_plan_breaks_the_output(tiny_llama_dir, expected, monkeypatch):
+    from eaglesrv.kernels.attention.flashinfer_paged import FlashinferGraphPlanner
+
+    serve_through_stand_in(monkeypatch)
+    original = FlashinferGraphPlanner._plan
+
+    def plan_once(self, graph_pass, num_new, shape):  # the warm-up's plan, then never again
+        if graph_pass.planned < 0:
+            original(self, graph_pass, num_new, shape)
+        graph_pass.planned = self.current.serial
+
+    monkeypatch.setattr(FlashinferGraphPlanner, "_plan", plan_once)
+    assert run_staggered(graphed_engine(tiny_llama_dir), random_prompts(LENGTHS, 256), GREEDY, every=2) != expected
 
 
 def decode_work(request: int, page_table: list[int], num_cached: int, token: int) -> SequenceWork:

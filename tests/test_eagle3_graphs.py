@@ -14,6 +14,7 @@ import torch
 from conftest import engine_config
 from eagle3_helpers import spec_config
 from engine_helpers import random_prompts, run_staggered
+from flashinfer_oracle import serve_through_stand_in
 
 from eaglesrv.engine.adaptive.policy import Decision
 from eaglesrv.engine.graphs import GraphCaptureError
@@ -117,6 +118,23 @@ def test_triton_eagle3_graphs_equal_plain(tiny_llama_dir, head_dir, plain_output
     outputs = [r.output_token_ids for r in engine.generate(random_prompts(LENGTHS, 256)[:3], short)]
     assert outputs == [expected[:5] for expected in plain_outputs[:3]]
     assert engine.runner.graphs.tree_runner.replays[4] > 0
+
+
+@pytest.mark.skipif(not triton_usable(torch.device("cpu")), reason="needs triton and TRITON_INTERPRET=1")
+def test_flashinfer_eagle3_graphs_equal_plain(tiny_llama_dir, head_dir, plain_outputs, monkeypatch):
+    """The draft extend and the plain step on flashinfer's graph passes (its stand-in), the
+    tree step's masked passes on Triton's, adaptive so that all three graphs replay."""
+    module = serve_through_stand_in(monkeypatch)
+    engine = graphed_engine(tiny_llama_dir, head_dir, (3, 2, 6), adaptive=True)
+    force_the_configured_tree_every_other_step(engine)
+    short = GREEDY.replace(max_tokens=6)
+    outputs = run_staggered(engine, random_prompts(LENGTHS, 256)[:4], short, every=2)
+    assert outputs == [expected[:6] for expected in plain_outputs[:4]]
+    graphs = engine.runner.graphs
+    for runner in (graphs.tree_runner, graphs.plain.runner, graphs.extend_runner):
+        assert sum(runner.replays.values()) > 0
+    graphed = {type(wrapper).__name__ for wrapper in module.made if wrapper.use_cuda_graph}
+    assert graphed == {"BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"}  # plain, extend
 
 
 # ---- negative controls ------------------------------------------------------------------

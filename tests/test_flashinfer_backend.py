@@ -16,7 +16,7 @@ import torch
 from conftest import engine_config
 from eagle3_helpers import spec_config
 from engine_helpers import random_prompts
-from flashinfer_oracle import stand_in_module
+from flashinfer_oracle import serve_through_stand_in, stand_in_module
 from test_triton_attention import DECODES, LONG_CHUNK, MIXED, random_batch
 
 from eaglesrv.engine.llm_engine import Engine
@@ -155,8 +155,6 @@ def test_passes_planned_in_one_order_and_run_in_another_are_each_planned_for_the
 @pytest.fixture(scope="module")
 def outputs_by_backend(tiny_llama_dir, head_dir):
     """Greedy outputs, plain and EAGLE-3, of the torch backend and of flashinfer through the stand-in."""
-    from eaglesrv.engine import builder
-
     prompts = random_prompts((5, 11, 2, 19), 256)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     configs = {
@@ -168,8 +166,7 @@ def outputs_by_backend(tiny_llama_dir, head_dir):
     try:
         for backend in ("torch", "flashinfer"):
             if backend == "flashinfer":
-                patch.setattr(builder, "select_attention_backend", lambda name, page, device, *_: (
-                    FlashinferAttentionBackend(page, device, module=stand_in_module(), workspace_bytes=16)))
+                serve_through_stand_in(patch)
             for mode, config in configs.items():
                 engine = Engine(config)
                 assert engine.runner.attention.name == backend

@@ -90,7 +90,7 @@ class Eagle3Graphs:
         }
         self.tree_runner = GraphRunner(self._tree_step, tree_inputs, max_batch_size, device, mechanism=mechanism)
         self.extend_runner = GraphRunner(self._extend_step, extend_inputs, max_batch_size, device,
-                                         mechanism=self.tree_runner.mechanism)
+                                         mechanism=self.tree_runner.mechanism, planner=attention.uniform_planner())
         self.plain = DecodeGraphs(target, target_kv, attention, device, max_batch_size, max_pages,
                                   self.tree_runner.mechanism, capture_layers)
 
@@ -172,11 +172,11 @@ class Eagle3Graphs:
         padded_tokens[real] = torch.tensor([token for entry in tokens for token in entry], dtype=torch.long)
         padded_features[real.to(features.device)] = features
         inputs = {
-            "tokens": padded_tokens.to(self.device),
+            "tokens": padded_tokens,
             "features": padded_features,
-            "num_cached": torch.tensor(starts, dtype=torch.int32).to(self.device),
-            "last": (counts - 1).to(self.device),
-            "block_table": padded_block_table(page_tables, self.draft_kv.padding_page).to(self.device),
+            "num_cached": torch.tensor(starts, dtype=torch.int32),  # the runner moves them
+            "last": counts - 1,
+            "block_table": padded_block_table(page_tables, self.draft_kv.padding_page),
         }
         logprobs, hidden = self.extend_runner.run(inputs)
         return logprobs.clone(), hidden.clone()

@@ -53,7 +53,8 @@ class DecodeGraphs:
             "num_cached": StaticInput((), torch.int32),
             "block_table": StaticInput((max_pages,), torch.int32, pad_value=kv.padding_page),
         }
-        self.runner = GraphRunner(self._step, inputs, max_batch_size, device, mechanism=mechanism)
+        self.runner = GraphRunner(self._step, inputs, max_batch_size, device, mechanism=mechanism,
+                                  planner=attention.uniform_planner())
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -80,8 +81,7 @@ class DecodeGraphs:
         token_ids = torch.tensor([seq.token_ids[0] for seq in sequences], dtype=torch.long)
         num_cached = torch.tensor([seq.num_cached for seq in sequences], dtype=torch.int32)
         table = padded_block_table([seq.page_table for seq in sequences], self.kv.padding_page)
-        inputs = {"token_ids": token_ids, "num_cached": num_cached, "block_table": table}
-        return self.runner.run({name: tensor.to(self.device) for name, tensor in inputs.items()})
+        return self.runner.run({"token_ids": token_ids, "num_cached": num_cached, "block_table": table})
 
     def _step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_cached = inputs["num_cached"]

@@ -19,6 +19,12 @@ page table longer than the graphs were captured for), and every batch when the r
 disabled (`--disable-cuda-graph`) call the step eagerly on the inputs as given, so the
 step must also work on unpadded inputs of any batch size.
 
+A backend whose graph passes are scheduled on the host (flashinfer) gives the runner a
+`UniformPlanner`: every run of the step, warm-up, capture, replay and eager alike, happens
+inside one of its sessions, given the host copies of the inputs it names as the step sees
+them (padded rows included). Inputs may arrive on the host or on the device; the runner
+moves them.
+
 Outputs of a replay are the graph's static tensors: the next `run` that replays the same
 rung overwrites them, so consume or clone them first. The real rows are copied in
 without blocking, on the current stream: a pinned host source must stay untouched until
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +44,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from eaglesrv.engine.graphs.capture import CapturedGraph, CaptureMechanism, StepOutputs, capture_mechanism_for
 from eaglesrv.engine.graphs.ladder import cuda_graph_batch_sizes, padded_batch_size
+from eaglesrv.kernels.attention.base import UniformPlanner
 
 Step = Callable[[dict[str, torch.Tensor]], StepOutputs]
 
@@ -61,11 +69,14 @@ class GraphRunner:
         disabled: bool = False,
         mechanism: CaptureMechanism | None = None,
         batch_sizes: Sequence[int] | None = None,
+        planner: UniformPlanner | None = None,
     ):
         """`mechanism`: share one across runners to share its memory pool (default: one for
         `device`). `batch_sizes`: the rungs, ascending, none above `max_batch_size`
-        (default: the standard ladder up to `max_batch_size`)."""
+        (default: the standard ladder up to `max_batch_size`). `planner`: the attention
+        backend's, when it has one (`AttentionBackend.uniform_planner`)."""
         self.step = step
+        self.planner = planner
         self.inputs = dict(inputs)
         self.device = torch.device(device)
         self.disabled = disabled
@@ -88,7 +99,8 @@ class GraphRunner:
         """Capture one graph per rung, largest first (smaller graphs reuse the largest one's memory)."""
         for bs in reversed(self.batch_sizes):
             rows = self._rows(bs)
-            graph = self.mechanism.capture(lambda rows=rows: self.step(rows))
+            with self._session({name: tensor.cpu() for name, tensor in rows.items()}, rows, graphed=True):
+                graph = self.mechanism.capture(lambda rows=rows: self.step(rows))
             self._check_outputs(graph.outputs, bs)
             self.graphs[bs] = graph
 
@@ -101,15 +113,35 @@ class GraphRunner:
         batch_size = self._batch_size_of(inputs)
         bs = self.padded_batch_size(batch_size)
         if bs is None or not self._rows_fit(inputs):
-            return self.step(dict(inputs))
+            step_inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
+            with self._session(inputs, step_inputs, graphed=False):
+                return self.step(step_inputs)
         if bs not in self.graphs:
             raise RuntimeError("GraphRunner.run before capture(): capture the graphs at start-up")
         self._load_real_rows(inputs, batch_size)
         self._write_padding_rows(batch_size, bs)
         graph = self.graphs[bs]
-        graph.replay()
+        with self._session(self._padded_host_inputs(inputs, bs), self._rows(bs), graphed=True):
+            graph.replay()
         self.replays[bs] += 1
         return tree_map(lambda out: out[:batch_size], graph.outputs)
+
+    def _session(self, host: Mapping[str, torch.Tensor], step_inputs: Mapping[str, torch.Tensor], graphed: bool):
+        if self.planner is None:
+            return nullcontext()
+        return self.planner.session({name: host[name].cpu() for name in self.planner.input_names}, step_inputs,
+                                    graphed)
+
+    def _padded_host_inputs(self, inputs: Mapping[str, torch.Tensor], bs: int) -> dict[str, torch.Tensor]:
+        """The planner's inputs as the graph of rung `bs` sees them, on the host."""
+        if self.planner is None:
+            return {}
+        padded = {}
+        for name in self.planner.input_names:
+            spec, real = self.inputs[name], inputs[name]
+            padded[name] = torch.full((bs, *spec.row_shape), spec.pad_value, dtype=spec.dtype)
+            padded[name][tuple(slice(0, size) for size in real.shape)] = real.cpu()
+        return padded
 
     def _rows(self, bs: int) -> dict[str, torch.Tensor]:
         return {name: buffer[:bs] for name, buffer in self.static_inputs.items()}

@@ -24,7 +24,8 @@ token t of a sequence lives in slot page_table[t // page_size] * page_size + t %
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from itertools import chain
 
@@ -44,6 +45,25 @@ class SequenceSpan:
 
 class AttentionMetadata:
     """Per-pass tensors a backend precomputes once and reuses in every layer."""
+
+
+class UniformPlanner(abc.ABC):
+    """Host-side planning that a backend's graph passes need before every run of a graphed
+    step (a backend whose kernels read their schedule from buffers filled on the host).
+
+    A graph runner holds one per step and opens a session around each run of the step, the
+    warm-up and capture included: `host` holds the host copies of the step's `input_names`
+    exactly as the step sees them (padded to the graph's batch), `step_inputs` the tensors
+    the step receives, `graphed` whether the run is a graph's (warm-up, capture, replay) or
+    an eager one. Within a session the backend's `uniform_metadata`, called with those very
+    block-table and cached-length tensors, may serve passes from the host copies."""
+
+    input_names = ("block_table", "num_cached")
+
+    @abc.abstractmethod
+    def session(self, host: Mapping[str, torch.Tensor], step_inputs: Mapping[str, torch.Tensor],
+                graphed: bool) -> AbstractContextManager[None]:
+        """Plan for one run of the step (before a replay: every pass the graph holds)."""
 
 
 class AttentionBackend(abc.ABC):
@@ -68,6 +88,10 @@ class AttentionBackend(abc.ABC):
         of sequence b is at position num_cached[b] + i, packed b-major. Causal, or under
         tree_mask [num_seqs, num_new, W] bool over each sequence's last W keys."""
         raise NotImplementedError(f"the {self.name} attention backend has no graph-safe metadata")
+
+    def uniform_planner(self) -> UniformPlanner | None:
+        """A new planner for one graphed step, when this backend's graph passes need one."""
+        return None
 
     def decode_workspace_bytes(self, num_seqs: int, max_keys: int, num_kv_heads: int, head_dim: int,
                                dtype: torch.dtype) -> int:

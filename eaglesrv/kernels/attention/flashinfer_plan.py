@@ -49,19 +49,34 @@ class FlashinferPlanInputs:
 
 
 def flashinfer_plan_inputs(layout: PassLayout) -> FlashinferPlanInputs:
-    page = layout.page_size
-    kv_len = layout.num_cached.numpy().astype(np.int64) + layout.num_new.numpy()
-    pages_used = -(-kv_len // page)
-    kv_indptr = np.zeros(len(kv_len) + 1, dtype=np.int32)
-    np.cumsum(pages_used, out=kv_indptr[1:])
-    block_table = layout.block_table.numpy()
-    kv_indices = block_table[np.arange(block_table.shape[1]) < pages_used[:, None]]  # row-major: sequence order
-    last_page_len = (kv_len - (pages_used - 1) * page).astype(np.int32)
+    """A host-planned pass's arguments, from its layout."""
     custom_mask = None
     if layout.has_masks:
-        custom_mask = torch.from_numpy(np.concatenate([_full_mask(layout, i, kv_len[i]) for i in range(len(kv_len))]))
+        kv_len = layout.num_cached + layout.num_new
+        custom_mask = torch.from_numpy(np.concatenate([_full_mask(layout, i, int(n)) for i, n in enumerate(kv_len)]))
+    return paged_inputs(layout.block_table.numpy(), layout.num_cached.numpy(), layout.num_new.numpy(),
+                        layout.page_size, custom_mask)
+
+
+def uniform_plan_inputs(block_table: torch.Tensor, num_cached: torch.Tensor, num_new: int,
+                        page_size: int) -> FlashinferPlanInputs:
+    """A causal pass in which every sequence adds `num_new` tokens (a graph's decode or
+    extend), from the host copies of the block table [S, P] and cached lengths [S]."""
+    num_cached = num_cached.numpy()
+    return paged_inputs(block_table.numpy(), num_cached, np.full_like(num_cached, num_new), page_size, None)
+
+
+def paged_inputs(block_table: np.ndarray, num_cached: np.ndarray, num_new: np.ndarray, page: int,
+                 custom_mask: torch.Tensor | None) -> FlashinferPlanInputs:
+    kv_len = num_cached.astype(np.int64) + num_new
+    pages_used = -(-kv_len // page)
+    kv_indptr, qo_indptr = np.zeros((2, len(kv_len) + 1), dtype=np.int32)
+    np.cumsum(pages_used, out=kv_indptr[1:])
+    np.cumsum(num_new, out=qo_indptr[1:])
+    kv_indices = block_table[np.arange(block_table.shape[1]) < pages_used[:, None]]  # row-major: sequence order
+    last_page_len = (kv_len - (pages_used - 1) * page).astype(np.int32)
     return FlashinferPlanInputs(
-        qo_indptr=layout.query_start, kv_indptr=torch.from_numpy(kv_indptr),
+        qo_indptr=torch.from_numpy(qo_indptr), kv_indptr=torch.from_numpy(kv_indptr),
         kv_indices=torch.from_numpy(kv_indices.astype(np.int32)), kv_last_page_len=torch.from_numpy(last_page_len),
         custom_mask=custom_mask,
     )

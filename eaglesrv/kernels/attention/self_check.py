@@ -5,7 +5,8 @@ version that miscompiles, a head shape never tried). Before serving, a backend i
 SELF_CHECKED runs one small mixed batch (a decode, a prefill chunk over a cached prefix, a
 tree under a custom mask) on the device at each head shape the model uses, in the serving
 dtype, planned on the host as eager passes are; when it can run in graphs, also a decode
-pass and a tree pass built on the device as graphs build them. Each is compared with the
+pass and a tree pass built as graphs build them (on the device, or for flashinfer's graph
+passes planned on the host into fixed buffers). Each is compared with the
 torch reference on the same device.
 
 With `--attention-backend auto` a backend that fails, or raises (building it too), is
@@ -17,6 +18,7 @@ A backend named explicitly fails start-up instead, with the reason.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -121,8 +123,8 @@ class _Case:
         expected = reference.forward(*(t.to(self.device) for t in (q, k, v)), ref_k, ref_v,
                                      self._metadata(reference, spans, uniform), scale)
         caches = [cache.to(self.device, self.dtype).clone() for cache in (k_cache, v_cache)]
-        out = backend.forward(*(t.to(self.device, self.dtype) for t in (q, k, v)), *caches,
-                              self._metadata(backend, spans, uniform), scale)
+        with self._planned(backend, spans, uniform) as metadata:
+            out = backend.forward(*(t.to(self.device, self.dtype) for t in (q, k, v)), *caches, metadata, scale)
         tolerance = 1e-4 if self.dtype == torch.float32 else 3e-2
         error = (out.float() - expected).abs().max().item()
         if not error <= tolerance:  # also catches NaN
@@ -133,14 +135,26 @@ class _Case:
         return None
 
     def _metadata(self, backend: AttentionBackend, spans: list[SequenceSpan], uniform: bool):
+        with self._planned(backend, spans, uniform) as metadata:
+            return metadata
+
+    @contextmanager
+    def _planned(self, backend: AttentionBackend, spans: list[SequenceSpan], uniform: bool):
+        """The pass's metadata, inside a graph planning session as a graph's step runs when
+        the backend plans graph passes on the host (the forward must run inside it too)."""
         if not uniform:
-            return backend.plan(spans)
-        table = padded_block_table([span.page_table for span in spans]).to(self.device)
-        num_cached = torch.tensor([span.num_cached for span in spans], dtype=torch.int32, device=self.device)
+            yield backend.plan(spans)
+            return
+        table = padded_block_table([span.page_table for span in spans])
+        num_cached = torch.tensor([span.num_cached for span in spans], dtype=torch.int32)
         masks = None
         if spans[0].custom_mask is not None:
             masks = torch.stack([span.custom_mask for span in spans]).to(self.device)
-        return backend.uniform_metadata(table, num_cached, spans[0].num_new, masks)
+        step = {"block_table": table.to(self.device), "num_cached": num_cached.to(self.device)}
+        planner = backend.uniform_planner()
+        with nullcontext() if planner is None else planner.session(
+                {"block_table": table, "num_cached": num_cached}, step, graphed=True):
+            yield backend.uniform_metadata(step["block_table"], step["num_cached"], spans[0].num_new, masks)
 
 
 def _one_line(error: Exception) -> str:
