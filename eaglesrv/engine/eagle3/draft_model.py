@@ -208,12 +208,13 @@ class Eagle3DraftModel(nn.Module):
     @torch.no_grad()
     def init_random_weights(self, seed: int, target_embedding: torch.Tensor) -> None:
         """A random head (tests, speed runs): correct shapes, identity vocabulary map."""
-        generator = torch.Generator().manual_seed(seed)
+        device = self.fc.weight.device  # drawn there, as the target's dummy weights are
+        generator = torch.Generator(device=device).manual_seed(seed)
         for name, param in self.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
             else:
-                param.copy_((torch.randn(param.shape, generator=generator) * 0.05).to(param.dtype))
+                param.copy_((torch.randn(param.shape, generator=generator, device=device) * 0.05).to(param.dtype))
         self.embed_tokens.weight.copy_(target_embedding)
         self._set_vocab_map(None)
 
