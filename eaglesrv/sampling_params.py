@@ -35,6 +35,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: chosen token plus n alternatives
     min_tokens: int = 0
+    # Prompt logprobs (scoring): None: none; n >= 0: each prompt token's logprob given the
+    # tokens before it, its rank, and the n most likely tokens there, for prompt tokens
+    # logprob_start_len.. (token 0 has no logprob). max_tokens 0 then scores without generating.
+    prompt_logprobs: int | None = None
+    logprob_start_len: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,7 +61,7 @@ class SamplingParams:
             if not math.isfinite(getattr(self, name)):
                 raise InvalidSamplingParams(f"{name} must be a finite number, got {getattr(self, name)!r}")
         checks = [
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be at least 0"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or 0 <= self.top_k < 2**31, "top_k", "must be -1 (disabled) or in [0, 2**31)"),
@@ -65,6 +70,8 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
+            (self.logprob_start_len >= 0, "logprob_start_len", "must be >= 0"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
         ]
         for ok, name, rule in checks:

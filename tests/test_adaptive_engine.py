@@ -133,9 +133,9 @@ def test_draft_kv_after_a_plain_spell_equals_always_drafting(tiny_llama_dir, hea
     reference_pages = []
     original_update = reference.scheduler.update
 
-    def keep_pages(batch, results):  # the request finishes in this step and frees its pages
+    def keep_pages(batch, *results):  # the request finishes in this step and frees its pages
         reference_pages.extend(reference.scheduler._requests[reference_id].page_table)
-        return original_update(batch, results)
+        return original_update(batch, *results)
 
     reference.scheduler.update = keep_pages
     reference.step()  # prefill: the draft extends over every prompt position

@@ -35,6 +35,7 @@ class GenerationResult:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, when asked
+    prompt_logprobs: list = field(default_factory=list)  # PromptLogprob per scored prompt token, when asked
     text: str | None = None  # decoded output, when the engine has a tokenizer
 
 
@@ -84,7 +85,8 @@ class Engine:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         if not batch.is_empty:
-            outputs += self.scheduler.update(batch, self.runner.run(batch))
+            step = self.runner.run(batch)
+            outputs += self.scheduler.update(batch, step.sampled, step.prompt_logprobs)
         self._forget_finished(outputs)
         self._stats_logger.record(
             sum(len(out.new_token_ids) for out in outputs), len(self.scheduler.running),
@@ -132,6 +134,7 @@ class Engine:
                     continue
                 result.output_token_ids.extend(out.new_token_ids)
                 result.logprobs.extend(out.new_logprobs)
+                result.prompt_logprobs.extend(out.new_prompt_logprobs)
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     pending.discard(out.request_id)

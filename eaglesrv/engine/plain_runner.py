@@ -14,7 +14,7 @@ from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.engine.sampler import SamplingBatch, sample
 from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
-from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
+from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, StepResults
 
 
 class PlainRunner(StepRunner):
@@ -26,24 +26,27 @@ class PlainRunner(StepRunner):
         self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
+    def run(self, batch: ScheduledBatch) -> StepResults:
         sequences = batch.sequences
-        if self.decode_graphs is not None and DecodeGraphs.holds(sequences):
-            return self._sampled(sequences, self.decode_graphs.logits(sequences))
+        if self.decode_graphs is not None and DecodeGraphs.holds(sequences):  # no prompt rows to score
+            return StepResults(self._sampled(sequences, self.decode_graphs.logits(sequences)))
         token_ids: list[int] = []
         positions: list[int] = []
+        offsets: list[int] = []  # packed row of each sequence's first token
         last_rows: list[int] = []  # packed row of each sampling sequence's last token
         for seq in sequences:
+            offsets.append(len(token_ids))
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.num_cached, seq.num_cached + len(seq.token_ids)))
             if seq.sample:
                 last_rows.append(len(token_ids) - 1)
         spans = [SequenceSpan(seq.page_table, seq.num_cached, len(seq.token_ids)) for seq in sequences]
         hidden, _ = self.target_pass(token_ids, positions, spans)
+        scored = self.score_prompt_tokens(sequences, offsets, hidden)
         if not last_rows:
-            return []
+            return StepResults([], scored)
         logits = self.target.compute_logits(hidden[self._tensor(last_rows)])
-        return self._sampled([seq for seq in sequences if seq.sample], logits)
+        return StepResults(self._sampled([seq for seq in sequences if seq.sample], logits), scored)
 
     @staticmethod
     def _sampled(samplers, logits: torch.Tensor) -> list[SequenceResult]:

@@ -160,6 +160,7 @@ def _wire_output(out) -> msg.EngineOutput:
         new_logprobs=[
             (lp.token_id, float(lp.logprob), [(int(t), float(p)) for t, p in lp.top]) for lp in out.new_logprobs
         ],
+        new_prompt_logprobs=list(out.new_prompt_logprobs),
         spec_verify_ct=out.spec_verify_ct,
     )
 

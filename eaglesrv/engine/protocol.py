@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eaglesrv.sampling_params import SamplingParams
+from eaglesrv.scheduler.batch import PromptLogprob
 
 # (token_id, logprob, [(alternative_id, logprob), ...] most likely first)
 WireLogprob = tuple[int, float, list[tuple[int, float]]]
@@ -86,6 +87,7 @@ class EngineOutput:
     num_output_tokens: int
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     new_logprobs: list[WireLogprob] = field(default_factory=list)
+    new_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # all in a request's first output
     spec_verify_ct: int = 0  # speculative verifications so far
 
     @property

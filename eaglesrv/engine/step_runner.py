@@ -26,7 +26,9 @@ from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
-from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult
+from eaglesrv.scheduler.batch import PromptLogprob, ScheduledBatch, SequenceWork, StepResults
+
+SCORE_ROWS = 256  # prompt rows scored at once: never [prompt length, vocab] logits for a long chunk
 
 
 class StepRunner(abc.ABC):
@@ -52,8 +54,9 @@ class StepRunner(abc.ABC):
 
     # ---- one step ---------------------------------------------------------------------
     @abc.abstractmethod
-    def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
-        """Forward the batch; one SequenceResult per sequence with sample=True, in order."""
+    def run(self, batch: ScheduledBatch) -> StepResults:
+        """Forward the batch: one SequenceResult per sequence with sample=True, in order, and
+        the prompt tokens scored (score_prompt_tokens)."""
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop what the runner keeps for these requests (they finished or were aborted)."""
@@ -90,6 +93,37 @@ class StepRunner(abc.ABC):
         token_ids = [token for tokens in sequences for token in tokens]
         positions = [position for tokens in sequences for position in range(len(tokens))]
         return self.target_pass(token_ids, positions, spans, capture_layers)
+
+    def score_prompt_tokens(self, seqs: Sequence[SequenceWork], offsets: Sequence[int],
+                            hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:
+        """The logprobs of the prompt tokens each sequence asks to score (SequenceWork.
+        prompt_tokens_scored) from the target's hidden states [rows, H] of an eager pass in
+        which sequence i's tokens start at row offsets[i]. Logits are computed for those
+        rows only, SCORE_ROWS at a time; a sequence that asks nothing costs one check."""
+        scored = {}
+        for index, seq in enumerate(seqs):
+            tokens = seq.prompt_tokens_scored()
+            if not tokens:
+                continue
+            end = seq.num_cached + len(seq.token_ids)
+            targets = [seq.token_ids[t - seq.num_cached] if t < end else seq.next_token_id for t in tokens]
+            first_row = offsets[index] + tokens.start - 1 - seq.num_cached
+            scored[index] = self._prompt_logprobs(hidden[first_row : first_row + len(tokens)], targets,
+                                                  seq.params.prompt_logprobs)
+        return scored
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], top_n: int) -> list[PromptLogprob]:
+        scored = []
+        target_ids = self._tensor(targets)
+        for start in range(0, len(targets), SCORE_ROWS):
+            logprobs = torch.log_softmax(self.target.compute_logits(hidden[start : start + SCORE_ROWS]).float(), -1)
+            chosen = logprobs.gather(1, target_ids[start : start + SCORE_ROWS, None])
+            ranks = (logprobs > chosen).sum(1) + 1
+            top_values, top_ids = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
+            rows = zip(targets[start : start + SCORE_ROWS], chosen[:, 0].tolist(), ranks.tolist(),
+                       top_ids.tolist(), top_values.tolist())
+            scored += [PromptLogprob(t, lp, rank, list(zip(ids, values))) for t, lp, rank, ids, values in rows]
+        return scored
 
     def _tensor(self, values: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if isinstance(values, torch.Tensor):

@@ -32,6 +32,16 @@ class SequenceWork:
     max_context_len: int = 1 << 30  # positions this sequence may reach
     suppressed_token_ids: tuple[int, ...] = ()  # EOS and stop ids while fewer than min_tokens are out
     lookahead: int = 0  # KV slots reserved past this chunk for a draft tree; 0: decode plainly
+    # Prompt tokens [first, end) still to be scored (params.prompt_logprobs): this chunk
+    # scores those its rows predict, tokens num_cached + 1 .. num_cached + len(token_ids).
+    prompt_logprob_tokens: tuple[int, int] | None = None
+
+    def prompt_tokens_scored(self) -> range:
+        """Token indices whose logprobs this chunk's rows give (token t from the row at t - 1)."""
+        if self.prompt_logprob_tokens is None:
+            return range(0)
+        first, end = self.prompt_logprob_tokens
+        return range(max(first, self.num_cached + 1), min(end, self.num_cached + len(self.token_ids) + 1))
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,24 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.sequences
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's logprob given the tokens before it (the target model's)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + how many tokens were more likely there
+    top: list[tuple[int, float]]  # the params.prompt_logprobs most likely tokens there, most likely first
+
+
+@dataclass(frozen=True)
+class StepResults:
+    """What a runner returns for one step."""
+
+    sampled: list["SequenceResult"]  # one per sequence with sample=True, in order
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # batch index -> its scored tokens
 
 
 @dataclass(frozen=True)
@@ -78,6 +106,8 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: "str | None" = None  # FinishReason value once finished
     new_logprobs: list = field(default_factory=list)  # TokenLogprobs per new token, when asked
+    # PromptLogprob per prompt token from max(1, logprob_start_len), all in the request's first output
+    new_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     spec_verify_ct: int = 0  # speculative verifications so far (SGLang's meta_info field)
 
     @property

@@ -46,6 +46,19 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_verify_passes: int = 0  # speculative verifications (SGLang's spec_verify_ct)
+    # Prompt logprobs: the next prompt token to score, and those scored but not yet sent.
+    # A preempted request recomputes its chunks but does not score a token twice.
+    next_prompt_logprob: int = 0
+    pending_prompt_logprobs: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        asked = self.params.prompt_logprobs is not None
+        self.next_prompt_logprob = max(1, self.params.logprob_start_len) if asked else len(self.prompt_token_ids)
+
+    def prompt_logprob_tokens(self) -> tuple[int, int] | None:
+        """Prompt tokens [first, end) still to be scored, or None."""
+        end = len(self.prompt_token_ids)
+        return (self.next_prompt_logprob, end) if self.next_prompt_logprob < end else None
 
     @property
     def num_tokens(self) -> int:

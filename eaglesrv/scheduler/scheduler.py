@@ -22,11 +22,19 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from eaglesrv.configs.scheduler import SchedulerConfig
-from eaglesrv.scheduler.batch import ForwardMode, RequestOutput, ScheduledBatch, SequenceResult, SequenceWork
+from eaglesrv.scheduler.batch import (
+    ForwardMode,
+    PromptLogprob,
+    RequestOutput,
+    ScheduledBatch,
+    SequenceResult,
+    SequenceWork,
+)
 from eaglesrv.scheduler.page_allocator import PageAllocator
 from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
 
@@ -172,26 +180,34 @@ class Scheduler:
             mode = ForwardMode.DECODE if all(len(w.token_ids) == 1 and w.sample for w in work) else ForwardMode.EXTEND
         return ScheduledBatch(sequences=work, mode=mode, preempted_ids=preempted)
 
-    def update(self, batch: ScheduledBatch, results: list[SequenceResult]) -> list[RequestOutput]:
+    def update(self, batch: ScheduledBatch, results: list[SequenceResult],
+               prompt_logprobs: Mapping[int, list[PromptLogprob]] | None = None) -> list[RequestOutput]:
         """Apply a step's results: advance computed tokens, append new ones, finish.
+        `prompt_logprobs`: the prompt tokens each sequence (by batch index) scored.
 
         Tokens are appended one at a time so that a stop rule met inside a speculative run
         cuts it exactly there.
         """
         outputs: list[RequestOutput] = []
         result_iter = iter(results)
-        for work in batch.sequences:
+        for index, work in enumerate(batch.sequences):
             result = next(result_iter) if work.sample else None
             request = self._requests.get(work.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted after scheduling: its result is void
+            scored = (prompt_logprobs or {}).get(index)
+            if scored:
+                request.pending_prompt_logprobs += scored
+                request.next_prompt_logprob += len(scored)
             if result is None:
                 request.num_computed_tokens += len(work.token_ids)
                 continue
             request.num_computed_tokens = work.num_cached + result.num_computed
             request.num_verify_passes += int(result.verified)
             appended, reason = [], None
-            for token_id in result.token_ids:
+            if request.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
+                reason = FinishReason.LENGTH
+            for token_id in result.token_ids if reason is None else ():
                 request.output_token_ids.append(token_id)
                 appended.append(token_id)
                 reason = request.stop_reason_after(token_id)
@@ -222,6 +238,7 @@ class Scheduler:
             max_context_len=request.max_context_len,
             suppressed_token_ids=request.suppressed_token_ids(),
             lookahead=lookahead,
+            prompt_logprob_tokens=request.prompt_logprob_tokens(),
         )
 
     def _grant_lookahead(self, request: Request, lookahead: int) -> int:
@@ -283,6 +300,7 @@ class Scheduler:
 
 
 def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestOutput:
+    scored, request.pending_prompt_logprobs = request.pending_prompt_logprobs, []
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_tokens,
@@ -290,5 +308,6 @@ def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestO
         num_output_tokens=len(request.output_token_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else None,
         new_logprobs=logprobs,
+        new_prompt_logprobs=scored,
         spec_verify_ct=request.num_verify_passes,
     )

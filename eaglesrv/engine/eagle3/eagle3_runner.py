@@ -55,7 +55,7 @@ from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.engine.tree_shape import TreeShape
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan, padded_block_table
 from eaglesrv.kernels.eagle3 import compact_kv, greedy_accept
-from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, SequenceWork
+from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, SequenceWork, StepResults
 
 
 class Eagle3Runner(StepRunner):
@@ -142,7 +142,7 @@ class Eagle3Runner(StepRunner):
         return record
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[SequenceResult]:
+    def run(self, batch: ScheduledBatch) -> StepResults:
         seqs = batch.sequences
         eligible = [i for i, seq in enumerate(seqs) if self._may_speculate(seq)]
         decision = None
@@ -155,21 +155,22 @@ class Eagle3Runner(StepRunner):
             self._catch_up([seqs[i] for i in speculating])  # 0. draft up to date first (timed apart)
         started = time.perf_counter()
         results: dict[int, SequenceResult] = {}
+        scored: dict[int, list] = {}  # prompt tokens scored, by sequence (eager steps only: graphs hold no prompts)
         kept_rows: dict[int, list[int]] = {}  # rows of `features` the draft extend reads
         if len(speculating) == len(seqs) and self.graphs is not None and self.graphs.holds(shape, len(seqs)):
             features, offsets = self._graphed_tree_step(shape, seqs, results, kept_rows)
         elif not speculating and self.graphs is not None and DecodeGraphs.holds(seqs):
             features, offsets = self._graphed_plain_step(seqs, results)
         else:
-            features, offsets = self._eager_step(shape, seqs, speculating, results, kept_rows)
+            features, offsets = self._eager_step(shape, seqs, speculating, results, kept_rows, scored)
 
         # 5. draft extend over what each sequence committed this step
         self._extend(seqs, results, offsets, kept_rows, features)
         if decision is not None and all(len(seq.token_ids) == 1 for seq in seqs):  # decode-only steps calibrate
             self.adaptive.observe(decision, time.perf_counter() - started)
-        return [results[i] for i in range(len(seqs)) if seqs[i].sample]
+        return StepResults([results[i] for i in range(len(seqs)) if seqs[i].sample], scored)
 
-    def _eager_step(self, shape, seqs, speculating, results, kept_rows) -> tuple[torch.Tensor, list[int]]:
+    def _eager_step(self, shape, seqs, speculating, results, kept_rows, scored) -> tuple[torch.Tensor, list[int]]:
         """Steps 1 to 4 without graphs, for any mix of trees, decodes and prefill chunks:
         (the target's features [rows, 3 * hidden], each sequence's first row in them)."""
         trees = self._draft(shape, [seqs[i] for i in speculating]) if speculating else None
@@ -190,6 +191,8 @@ class Eagle3Runner(StepRunner):
                 positions.extend(range(seq.num_cached, seq.num_cached + len(seq.token_ids)))
                 spans.append(SequenceSpan(seq.page_table, seq.num_cached, len(seq.token_ids)))
         hidden, features = self.target_pass(token_ids, positions, spans, self.capture_layers)
+        # (a speculating sequence decodes: its rows are a tree's, and it has no prompt token left to score)
+        scored.update(self.score_prompt_tokens(seqs, offsets, hidden))
 
         # 3. accept / sample
         plain = [i for i, seq in enumerate(seqs) if seq.sample and i not in tree_row]
