@@ -68,9 +68,9 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0"),
             (self.logprob_start_len >= 0, "logprob_start_len", "must be >= 0"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
         ]

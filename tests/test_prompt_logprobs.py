@@ -125,7 +125,7 @@ def test_preempted_requests_score_each_prompt_token_once(tiny_llama_dir, hf_scor
 
 def test_out_of_range_values_are_refused():
     with pytest.raises(InvalidSamplingParams, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-1)
     with pytest.raises(InvalidSamplingParams, match="logprob_start_len"):
         SamplingParams(prompt_logprobs=1, logprob_start_len=-1)
     with pytest.raises(InvalidSamplingParams, match="max_tokens"):

@@ -27,6 +27,8 @@ class ServerConfig:
     max_stop_strings, max_stop_string_length, max_stop_token_ids: per request; stop strings
         are scanned at every token of every choice, so their size is bounded.
     max_choices_per_request: prompts x n of one request (each is an engine request).
+    max_logprobs: the most alternatives a request may ask for per token (logprobs,
+        top_logprobs, prompt_logprobs, top_logprobs_num), as vLLM's --max-logprobs.
     allowed_origins: web origins whose browser requests are served (with CORS headers);
         "*" allows any. Requests with any other Origin header get 403.
     watchdog_timeout_s: an engine silent this long (not even answering a ping between two
@@ -46,6 +48,7 @@ class ServerConfig:
     max_stop_string_length: int = 1024
     max_stop_token_ids: int = 256
     max_choices_per_request: int = 1024
+    max_logprobs: int = 20
     watchdog_timeout_s: float = 300.0
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout_s: float = 30.0
@@ -66,6 +69,7 @@ class ServerConfig:
                             ("--max-stop-token-ids", self.max_stop_token_ids),
                             ("--max-choices-per-request", self.max_choices_per_request)):
             require(value >= 1, f"{flag} must be at least 1, got {value}")
+        require(self.max_logprobs >= 0, f"--max-logprobs must be >= 0, got {self.max_logprobs}")
         require(self.watchdog_timeout_s > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout_s}")
         require(self.shutdown_timeout_s >= 0,
                 f"--graceful-shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
@@ -100,6 +104,9 @@ SERVER_FLAGS: tuple[_ServerFlag, ...] = (
                 metavar="N"),
     _ServerFlag(("--max-choices-per-request",), "max_choices_per_request",
                 "Most generations one request may ask for: prompts x n.", int, metavar="N"),
+    _ServerFlag(("--max-logprobs",), "max_logprobs",
+                "Most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs, "
+                "top_logprobs_num).", int, metavar="N"),
     _ServerFlag(("--max-request-bytes",), "max_request_bytes", "Largest request body; larger ones get 413.", int,
                 metavar="BYTES"),
     _ServerFlag(("--watchdog-timeout",), "watchdog_timeout_s",

@@ -19,6 +19,7 @@ from eaglesrv.server.formatting import (
     sse,
     until_disconnected,
     usage,
+    vllm_prompt_logprobs,
 )
 from eaglesrv.server.generation import (
     STREAM_FAILURES,
@@ -32,6 +33,7 @@ from eaglesrv.server.openai_protocol import ChatCompletionRequest
 from eaglesrv.server.request_prep import (
     chat_prompt_ids,
     check_choices,
+    check_logprob_counts,
     check_prompt,
     check_stop_rules,
     openai_sampling_params,
@@ -66,6 +68,7 @@ class ChatHandler:
         state.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         self.prompt_ids = chat_prompt_ids(tokenizer, messages)
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
+        check_logprob_counts(state.server_config, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
         self.params = openai_sampling_params(info, body, self.top_n)
         self.state = state
@@ -76,11 +79,18 @@ class ChatHandler:
         self.token_text = TokenText(tokenizer)
 
     def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
+        # the prompt is the same for every choice: the first scores it (vLLM's prompt_logprobs)
         return [
-            run_choice(self.state, i, self.prompt_ids, with_choice_seed(self.params, i),
+            run_choice(self.state, i, self.prompt_ids,
+                       with_choice_seed(self.params if i == 0 else self.params.replace(prompt_logprobs=None), i),
                        self.body.stop_strings, self.body.skip_special_tokens)
             for i in range(self.body.n)
         ]
+
+    def _prompt_logprobs(self, scored) -> dict:
+        if self.body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.prompt_ids, scored, self.token_text)}
 
     async def respond(self, request: Request) -> Response:
         release = self.state.admit(self.body.n)
@@ -103,6 +113,7 @@ class ChatHandler:
         return JSONResponse({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": choices, "usage": usage(len(self.prompt_ids), sum(r.num_output_tokens for r in results)),
+            **self._prompt_logprobs(results[0].prompt_logprobs),
         })
 
     async def _stream(self) -> AsyncIterator[str]:
@@ -114,6 +125,9 @@ class ChatHandler:
                                    "finish_reason": None})
             async with aclosing(merge_choices(self._runs())) as deltas:
                 async for d in deltas:
+                    if d.prompt_logprobs and self.body.prompt_logprobs is not None:  # choice 0's first delta
+                        yield self._chunk({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": None},
+                                          self._prompt_logprobs(d.prompt_logprobs))
                     completion_tokens[d.index] = d.num_output_tokens
                     has_logprobs = self.top_n is not None and d.logprobs
                     if not (d.text or has_logprobs or d.finish_reason):
@@ -134,8 +148,8 @@ class ChatHandler:
     def _envelope(self) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
 
-    def _chunk(self, choice: dict) -> str:
-        payload = {**self._envelope(), "choices": [choice]}
+    def _chunk(self, choice: dict, extra: dict | None = None) -> str:
+        payload = {**self._envelope(), "choices": [choice], **(extra or {})}
         if self.body.include_usage:
             payload["usage"] = None
         return sse(payload)

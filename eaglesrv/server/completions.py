@@ -13,12 +13,15 @@ from eaglesrv.server.formatting import (
     SSEResponse,
     TokenText,
     completion_logprobs,
+    echoed_prompt_logprobs,
+    joined_logprobs,
     new_id,
     now_s,
     parse_body,
     sse,
     until_disconnected,
     usage,
+    vllm_prompt_logprobs,
 )
 from eaglesrv.server.generation import (
     STREAM_FAILURES,
@@ -31,6 +34,7 @@ from eaglesrv.server.generation import (
 from eaglesrv.server.openai_protocol import CompletionRequest
 from eaglesrv.server.request_prep import (
     check_choices,
+    check_logprob_counts,
     check_prompt,
     check_stop_rules,
     completion_prompts,
@@ -66,10 +70,12 @@ class CompletionHandler:
         prompts = prompt_list(body.prompt)
         check_choices(state.server_config, len(prompts), body.n)
         check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
+        check_logprob_counts(state.server_config, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
         self.prompts = completion_prompts(prompts, state)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, body.output_limit, param="prompt")
         self.params = openai_sampling_params(info, body, body.logprobs)
+        self.echo_logprobs = body.echo and body.logprobs is not None  # the echoed prompt's logprobs too
         self.state = state
         self.body = body
         self.id = new_id("cmpl")
@@ -107,6 +113,16 @@ class CompletionHandler:
             return None
         return completion_logprobs(delta_logprobs, self.token_text, self.body.logprobs, text_offset)
 
+    def _prompt_fields(self, index: int, scored) -> dict:
+        """The scored prompt of choice `index`: the echo's logprobs, and vLLM's prompt_logprobs when asked."""
+        prompt_ids = self.prompts[index // self.body.n]
+        fields = {}
+        if self.echo_logprobs:
+            fields["logprobs"] = echoed_prompt_logprobs(prompt_ids, scored, self.token_text, self.body.logprobs)
+        if self.body.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(prompt_ids, scored, self.token_text)
+        return fields
+
     @property
     def _prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
@@ -122,11 +138,15 @@ class CompletionHandler:
         choices = []
         for r in results:
             prefix = self._prompt_text(r.index)
-            choices.append({
+            choice = {
                 "index": r.index, "text": prefix + r.text,
                 "logprobs": self._logprobs(r.logprobs, len(prefix)),
                 "finish_reason": r.finish_reason, "matched_stop": r.matched_stop,
-            })
+            }
+            prompt = self._prompt_fields(r.index, r.prompt_logprobs)
+            if "logprobs" in prompt:
+                choice["logprobs"] = joined_logprobs(prompt.pop("logprobs"), choice["logprobs"])
+            choices.append({**choice, **prompt})
         return JSONResponse({
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
             "choices": choices, "usage": usage(self._prompt_tokens, sum(r.num_output_tokens for r in results)),
@@ -135,13 +155,17 @@ class CompletionHandler:
     async def _stream(self) -> AsyncIterator[str]:
         completion_tokens: dict[int, int] = {}
         offsets = {i: len(self._prompt_text(i)) for i in range(self.num_choices)}
+        scores_prompt = self.body.prompt_scores is not None
         try:
-            if self.body.echo:
+            if self.body.echo and not scores_prompt:
                 for i in range(self.num_choices):
                     echo = {"index": i, "text": self._prompt_text(i), "logprobs": None, "finish_reason": None}
                     yield self._chunk(echo)
             async with aclosing(merge_choices(self._runs())) as deltas:
                 async for d in deltas:
+                    if scores_prompt and d.index not in completion_tokens:  # its first delta: the scored prompt
+                        yield self._chunk({"index": d.index, "text": self._prompt_text(d.index), "logprobs": None,
+                                           "finish_reason": None, **self._prompt_fields(d.index, d.prompt_logprobs)})
                     completion_tokens[d.index] = d.num_output_tokens
                     has_logprobs = self.body.logprobs is not None and d.logprobs
                     if not (d.text or has_logprobs or d.finish_reason):

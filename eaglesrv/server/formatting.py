@@ -4,6 +4,7 @@ two shapes, server-sent events, and running a handler until the client goes away
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -16,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from eaglesrv.engine.protocol import WireLogprob
+from eaglesrv.scheduler.batch import PromptLogprob
 from eaglesrv.server.errors import APIError, bad_request, from_validation_error
 
 T = TypeVar("T")
@@ -99,6 +101,37 @@ def completion_logprobs(
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_prompt_logprobs(
+    prompt_ids: Sequence[int], scored: Sequence[PromptLogprob], token_text: TokenText, top_n: int
+) -> dict[str, Any]:
+    """Completions shape for an echoed prompt: every prompt token, the first with a null
+    logprob (nothing precedes it), text offsets from the start of the prompt."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets = [0, *itertools.accumulate(len(text) for text in tokens)][:-1]
+    tops = [None] + [{token_text(t): lp for t, lp in entry.top[:top_n]} for entry in scored]
+    return {"tokens": tokens, "token_logprobs": [None] + [entry.logprob for entry in scored],
+            "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions-shape logprobs one after the other (an echoed prompt, then the output)."""
+    return first if second is None else {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(prompt_ids: Sequence[int], scored: Sequence[PromptLogprob],
+                         token_text: TokenText) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's shape: per prompt token, None for the first, else {token id: {logprob, rank,
+    decoded_token}} for the token and the top alternatives."""
+    out: list[dict[str, dict[str, Any]] | None] = [None] * (len(prompt_ids) - len(scored))
+    for entry in scored:
+        item = {str(t): {"logprob": lp, "rank": rank, "decoded_token": token_text(t)}
+                for rank, (t, lp) in enumerate(entry.top, start=1)}
+        item[str(entry.token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                     "decoded_token": token_text(entry.token_id)}
+        out.append(item)
+    return out
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -18,6 +18,7 @@ from eaglesrv.engine.client import EngineDeadError
 from eaglesrv.engine.protocol import EngineOutput, WireLogprob
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.scheduler import RequestRejected
+from eaglesrv.scheduler.batch import PromptLogprob
 from eaglesrv.server.detokenizer import IncrementalDetokenizer
 from eaglesrv.server.errors import error_body
 from eaglesrv.server.formatting import sse
@@ -38,6 +39,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     spec_verify_ct: int = 0  # speculative verifications so far
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # the scored prompt, in the first delta
 
 
 @dataclass
@@ -53,11 +55,13 @@ class ChoiceResult:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     spec_verify_ct: int = 0
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_output_tokens = delta.num_output_tokens
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -90,7 +94,8 @@ async def run_choice(
                 if reason is not None:
                     state.metrics.request_finished(reason, num_prompt, now - started)
                 yield ChoiceDelta(index, piece, list(out.new_token_ids), list(out.new_logprobs), num_prompt,
-                                  out.num_output_tokens, reason, matched, out.spec_verify_ct)
+                                  out.num_output_tokens, reason, matched, out.spec_verify_ct,
+                                  list(out.new_prompt_logprobs))
                 if reason is not None:
                     return  # after a stop string, leaving the stream aborts the engine request
     finally:

@@ -18,7 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field
 import eaglesrv
 from eaglesrv.configs.cli import ENGINE_FLAGS
 from eaglesrv.server.errors import bad_request
-from eaglesrv.server.formatting import SSE_DONE, SSEResponse, new_id, parse_body, sse, until_disconnected
+from eaglesrv.server.formatting import (
+    SSE_DONE,
+    SSEResponse,
+    TokenText,
+    new_id,
+    parse_body,
+    sse,
+    until_disconnected,
+)
 from eaglesrv.server.generation import (
     STREAM_FAILURES,
     ChoiceDelta,
@@ -31,6 +39,7 @@ from eaglesrv.server.generation import (
 from eaglesrv.server.request_prep import (
     build_sampling_params,
     check_choices,
+    check_logprob_counts,
     check_prompt,
     check_stop_rules,
     completion_prompts,
@@ -59,14 +68,18 @@ class NativeSamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # lora_path, logprob_start_len, ... are accepted and unused
+    model_config = ConfigDict(extra="ignore")  # lora_path, ... are accepted and unused
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=20)
+    top_logprobs_num: int = Field(0, ge=0)
+    # With return_logprob: the first prompt position whose logprob is returned; -1 (SGLang's
+    # default): the last prompt token only.
+    logprob_start_len: int = Field(-1, ge=-1)
+    return_text_in_logprobs: bool = False
 
 
 def native_router(state: ServerState) -> APIRouter:
@@ -125,7 +138,7 @@ def _flag_values(state: ServerState) -> dict:
                   enable_metrics=server.enable_metrics, max_queued_requests=server.max_queued_requests,
                   max_stop_strings=server.max_stop_strings, max_stop_string_length=server.max_stop_string_length,
                   max_stop_token_ids=server.max_stop_token_ids,
-                  max_choices_per_request=server.max_choices_per_request)
+                  max_choices_per_request=server.max_choices_per_request, max_logprobs=server.max_logprobs)
     return values
 
 
@@ -141,16 +154,25 @@ class GenerateHandler:
         sp = body.sampling_params
         self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         check_stop_rules(state.server_config, info, self.stop_strings, sp.stop_token_ids, prefix="sampling_params.")
+        check_logprob_counts(state.server_config, top_logprobs_num=body.top_logprobs_num)
         self.prompts = completion_prompts(prompts, state, param)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, sp.max_new_tokens, param=param)
+        start = body.logprob_start_len
+        starts = [start if start >= 0 else len(ids) - 1 for ids in self.prompts]
+        if body.return_logprob and any(start >= len(ids) for start, ids in zip(starts, self.prompts)):
+            raise bad_request(f"logprob_start_len {body.logprob_start_len} is not inside the prompt",
+                              param="logprob_start_len")
         self.params = build_sampling_params(
             info, max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
             seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
             min_tokens=sp.min_new_tokens,
             logprobs=body.top_logprobs_num if body.return_logprob else None,
+            prompt_logprobs=body.top_logprobs_num if body.return_logprob else None,
         )
+        self.starts = starts
+        self.token_text = TokenText(state.tokenizer)
         self.state = state
         self.body = body
         self.id = new_id("gen")
@@ -158,8 +180,23 @@ class GenerateHandler:
 
     def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
         skip = self.body.sampling_params.skip_special_tokens
-        return [run_choice(self.state, i, ids, self.params, self.stop_strings, skip)
-                for i, ids in enumerate(self.prompts)]
+        return [run_choice(self.state, i, ids, self.params.replace(logprob_start_len=start), self.stop_strings, skip)
+                for i, (ids, start) in enumerate(zip(self.prompts, self.starts))]
+
+    def _entry(self, logprob: float | None, token_id: int) -> list:
+        """SGLang's [logprob, token id, text or None]."""
+        return [logprob, token_id, self.token_text(token_id) if self.body.return_text_in_logprobs else None]
+
+    def _input_logprobs(self, r: ChoiceResult) -> dict:
+        """input_token_logprobs and input_top_logprobs from logprob_start_len; position 0 has none."""
+        prompt_ids = self.prompts[r.index]
+        start = self.starts[r.index]
+        unscored = [self._entry(None, token) for token in prompt_ids[start : len(prompt_ids) - len(r.prompt_logprobs)]]
+        return {
+            "input_token_logprobs": unscored + [self._entry(e.logprob, e.token_id) for e in r.prompt_logprobs],
+            "input_top_logprobs": [None] * len(unscored)
+            + [[self._entry(lp, t) for t, lp in e.top] for e in r.prompt_logprobs],
+        }
 
     async def respond(self, request: Request) -> Response:
         release = self.state.admit(len(self.prompts))
@@ -196,8 +233,9 @@ class GenerateHandler:
             "spec_verify_ct": r.spec_verify_ct,
         }
         if self.body.return_logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for tok, lp, _ in r.logprobs]
-            meta["output_top_logprobs"] = [[[lp, tok, None] for tok, lp in top] for _, _, top in r.logprobs]
+            meta["output_token_logprobs"] = [self._entry(lp, tok) for tok, lp, _ in r.logprobs]
+            meta["output_top_logprobs"] = [[self._entry(lp, tok) for tok, lp in top] for _, _, top in r.logprobs]
+            meta.update(self._input_logprobs(r))
         item = {"text": r.text, "meta_info": meta}
         if not streaming:  # streamed events would repeat every id so far
             item["output_ids"] = r.token_ids

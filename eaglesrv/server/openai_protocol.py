@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from eaglesrv.server.errors import bad_request
 
 MAX_N = 128
-MAX_LOGPROBS = 20
 
 
 class _Request(BaseModel):
@@ -49,6 +48,7 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True  # extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)  # extension (vLLM): score the prompt, n alternatives a token
 
     @property
     def stop_strings(self) -> list[str]:
@@ -59,6 +59,11 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def prompt_scores(self) -> int | None:
+        """Alternatives per prompt token to compute when the prompt is scored, else None."""
+        return self.prompt_logprobs
 
 
 class TextPart(_Request):
@@ -83,7 +88,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -110,7 +115,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -124,11 +129,18 @@ class CompletionRequest(SamplingFields):
             raise bad_request("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported by this server", param="best_of")
-        if self.echo and self.logprobs is not None:
-            # Needs the prompt's logprobs, which the engine does not compute yet.
-            raise bad_request("echo together with logprobs is not supported yet", param="echo")
+
+    @property
+    def prompt_scores(self) -> int | None:
+        """Alternatives per prompt token to compute (echo with logprobs, prompt_logprobs), or None."""
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
 
 
 def _refuse_common(request: SamplingFields) -> None:
     if request.logit_bias:
         raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+    if request.output_limit == 0 and request.prompt_scores is None:
+        param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) == 0 else "max_tokens"
+        raise bad_request(f"{param} must be at least 1 (0 only scores the prompt: with echo and logprobs, or "
+                          "prompt_logprobs)", param=param)

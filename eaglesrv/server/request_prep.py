@@ -31,6 +31,8 @@ def build_sampling_params(
     ignore_eos: bool = False,
     logprobs: int | None = None,
     min_tokens: int = 0,
+    prompt_logprobs: int | None = None,
+    logprob_start_len: int = 0,
 ) -> SamplingParams:
     """SamplingParams with None meaning "the default"; 400 naming the field on bad values."""
     if top_k is not None and top_k >= info.vocab_size:
@@ -43,7 +45,8 @@ def build_sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens, seed=seed, stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-            logprobs=logprobs, min_tokens=min_tokens, **values,
+            logprobs=logprobs, min_tokens=min_tokens, prompt_logprobs=prompt_logprobs,
+            logprob_start_len=logprob_start_len, **values,
         )
     except InvalidSamplingParams as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -55,8 +58,16 @@ def openai_sampling_params(info, body, logprobs: int | None) -> SamplingParams:
         info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        min_tokens=body.min_tokens,
+        min_tokens=body.min_tokens, prompt_logprobs=body.prompt_scores,
     )
+
+
+def check_logprob_counts(config: ServerConfig, **counts: int | None) -> None:
+    """400 naming the field that asks for more alternatives per token than --max-logprobs."""
+    for name, count in counts.items():
+        if count is not None and count > config.max_logprobs:
+            raise bad_request(f"{name} must be at most {config.max_logprobs} (the server's --max-logprobs), "
+                              f"got {count}", param=name)
 
 
 def with_choice_seed(params: SamplingParams, choice_index: int) -> SamplingParams:
