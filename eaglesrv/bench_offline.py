@@ -7,7 +7,10 @@ For each dtype, on the same weights and machine:
      greedy with EOS ignored so both produce exactly --decode-tokens tokens; both warmed
      up, then interleaved --repeats times (the machine is noisy) and the median kept;
   2. eaglesrv continuous batching on held-out ShareGPT prompts with --concurrency requests
-     in flight, as output tok/s and as a multiple of transformers' batch-1 rate.
+     in flight, as output tok/s and as a multiple of transformers' batch-1 rate;
+  3. scoring the same prompts as an evaluation harness's loglikelihood requests do (every
+     prompt token's logprob and whether it was the best, one output token), as prompt tok/s
+     and requests/s, against transformers scoring them one at a time.
 Speed is reported, never asserted (docs/architecture.md, "Rules the code relies on").
 """
 
@@ -25,8 +28,14 @@ import torch
 
 from eaglesrv.bench.machine import machine_info
 from eaglesrv.bench.offline.report import markdown_table
-from eaglesrv.bench.offline.timing import load_transformers_model, summarize, time_eaglesrv, time_transformers
-from eaglesrv.bench.offline.workload import chat_prompt_ids, run_continuous, sharegpt_workload
+from eaglesrv.bench.offline.timing import (
+    load_transformers_model,
+    summarize,
+    time_eaglesrv,
+    time_transformers,
+    time_transformers_scoring,
+)
+from eaglesrv.bench.offline.workload import BenchRequest, chat_prompt_ids, run_continuous, sharegpt_workload
 from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
 from eaglesrv.engine.llm_engine import Engine
 
@@ -117,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine_info(),
         "config": {**{k: v for k, v in vars(args).items() if k != "output_json"},
                    "model": args.model_path or "SmolLM2-135M-Instruct (default GGUF)"},
-        "decode": {}, "batch": {},
+        "decode": {}, "batch": {}, "scoring": {},
     }
     workload = None
     for dtype in args.dtypes:
@@ -127,11 +136,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompt_ids = chat_prompt_ids(engine.tokenizer, DECODE_PROMPT)
         _log(f"{dtype}: batch-1 decode, {args.decode_tokens} tokens x {args.repeats}")
         decode = results["decode"][dtype] = bench_decode(args, engine, hf_model, prompt_ids)
+        if workload is None:  # same tokenizer for every dtype: build the workload once
+            workload = sharegpt_workload(engine.tokenizer, args.num_prompts, args.max_input_len, args.max_output_len)
+        scoring = [BenchRequest(request.prompt_ids, 1) for request in workload]
+        hf_scoring_s = None
+        if hf_model is not None:
+            hf_scoring_s = time_transformers_scoring(hf_model, [request.prompt_ids for request in scoring])
         del hf_model  # free its memory before the batch run needs the KV pool's
         gc.collect()
 
-        if workload is None:  # same tokenizer for every dtype: build the workload once
-            workload = sharegpt_workload(engine.tokenizer, args.num_prompts, args.max_input_len, args.max_output_len)
+        _log(f"{dtype}: scoring {len(scoring)} prompts, {args.concurrency} in flight")
+        results["scoring"][dtype] = {
+            **run_continuous(engine, scoring, args.concurrency, prompt_logprobs=1).to_json(),
+            "transformers_batch1_s": hf_scoring_s,
+        }
         _log(f"{dtype}: continuous batching, {len(workload)} prompts, {args.concurrency} in flight")
         batch = run_continuous(engine, workload, args.concurrency).to_json()
         hf_rate = decode.get("transformers", {}).get("decode_tok_s")

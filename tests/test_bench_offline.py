@@ -45,3 +45,8 @@ def test_smoke_run_reports_every_figure(tmp_path) -> None:
         assert batch[key] > 0, key
     assert isinstance(batch["meets_8x_bar"], bool)
     assert 4 * 4 <= batch["output_tokens"] <= 4 * 16  # lengths clipped to [4, --max-output-len]
+
+    scoring = results["scoring"]["float32"]
+    assert scoring["num_requests"] == 4 and scoring["output_tokens"] == 4  # one token each, every prompt scored
+    assert scoring["input_tokens"] == batch["input_tokens"] and scoring["transformers_batch1_s"] > 0
+    assert "| loglikelihood scoring prompt tok/s, float32" in proc.stdout

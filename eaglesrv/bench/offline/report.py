@@ -40,6 +40,17 @@ def markdown_table(results: dict[str, Any]) -> str:
                      f"{cfg['concurrency']} in flight ({b['output_tokens']} out tokens, {b['total_s']:.1f} s) "
                      f"vs transformers batch-1 | {_fmt(b['output_tok_s'])} | {_fmt(hf_rate)} "
                      f"| {_fmt(_ratio(b['output_tok_s'], hf_rate), 'x')} |")
+    for dtype, sc in results.get("scoring", {}).items():
+        theirs_s = sc.get("transformers_batch1_s")
+        what = (f"{sc['num_requests']} ShareGPT prompts ({sc['input_tokens']} tokens) scored, {cfg['concurrency']} in "
+                f"flight, vs transformers one at a time")
+        ours_tok, theirs_tok = sc["input_tokens"] / sc["total_s"], theirs_s and sc["input_tokens"] / theirs_s
+        ours_req, theirs_req = sc["req_s"], theirs_s and sc["num_requests"] / theirs_s
+        lines.append(f"| loglikelihood scoring prompt tok/s, {dtype}, {what} | {_fmt(ours_tok)} | {_fmt(theirs_tok)} "
+                     f"| {_fmt(_ratio(ours_tok, theirs_tok), 'x')} |")
+        theirs_text = "n/a" if not theirs_req else f"{theirs_req:,.2f}"
+        lines.append(f"| loglikelihood requests/s, {dtype} | {ours_req:,.2f} | {theirs_text} "
+                     f"| {_fmt(_ratio(ours_req, theirs_req), 'x')} |")
     bars = [f"{dtype} {'met' if b['meets_8x_bar'] else 'not met'}"
             for dtype, b in results["batch"].items() if b.get("meets_8x_bar") is not None]
     if bars:

@@ -106,6 +106,19 @@ def time_transformers(model, prompt_ids: list[int], num_tokens: int) -> DecodeRu
     return _run_from_times(start, clock.times, output[0, len(prompt_ids):].tolist())
 
 
+def time_transformers_scoring(hf_model, prompts: Sequence[Sequence[int]]) -> float:
+    """Seconds for transformers to score each prompt alone (one forward, every token's
+    logprob and the best token at each position): lm-eval's hf model at batch size 1."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt_ids in prompts:
+            ids = torch.tensor([list(prompt_ids)])
+            logprobs = torch.log_softmax(hf_model(ids).logits[0, :-1].float(), -1)
+            logprobs.gather(1, ids[0, 1:, None]).sum().item()
+            logprobs.argmax(-1).tolist()
+    return time.perf_counter() - start
+
+
 def load_transformers_model(model_path: str | None, dtype: str):
     """The same weights in transformers: the default GGUF, a .gguf, or an HF dir/id; dense, in dtype."""
     from transformers import AutoModelForCausalLM

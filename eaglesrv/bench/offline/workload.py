@@ -62,15 +62,18 @@ def sharegpt_workload(tokenizer, num_prompts: int, max_input_len: int, max_outpu
     raise ValueError(f"only {len(requests)} held-out prompts fit in {max_input_len} tokens; asked for {num_prompts}")
 
 
-def run_continuous(engine, requests: list[BenchRequest], concurrency: int) -> BatchResult:
-    """Keep `concurrency` requests in flight: each one that finishes is replaced at once."""
+def run_continuous(engine, requests: list[BenchRequest], concurrency: int,
+                   prompt_logprobs: int | None = None) -> BatchResult:
+    """Keep `concurrency` requests in flight: each one that finishes is replaced at once.
+    `prompt_logprobs`: score every prompt too (what an evaluation harness's loglikelihood asks)."""
     waiting = deque(requests)
     produced: dict[str, int] = {}
     planned: dict[str, int] = {}
 
     def submit() -> None:
         request = waiting.popleft()
-        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True,
+                                prompt_logprobs=prompt_logprobs)
         request_id = engine.add_request(request.prompt_ids, params)
         planned[request_id], produced[request_id] = request.output_len, 0
 
