@@ -137,3 +137,16 @@ def test_generate_input_logprobs_in_sglang_shape(server, tokenizer, hf_model):
     assert from_ten["input_token_logprobs"] == from_start["input_token_logprobs"][10:]
     assert len(default["input_token_logprobs"]) == 1 and default["input_token_logprobs"][0][1] == ids[-1]
     assert len(from_start["output_token_logprobs"]) == 2
+
+
+def test_text_offsets_index_the_echoed_text_of_a_token_id_prompt(live_server, tokenizer):  # noqa: F811
+    """A token-id prompt's echo leaves special tokens out of its text: they take no room."""
+    ids = [tokenizer.convert_tokens_to_ids("<|im_start|>")] + tokenizer.encode("The capital of France is")
+    body = {"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 2, "temperature": 0}
+    with live_server.client() as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp, text = choice["logprobs"], choice["text"]
+    assert text.startswith("The capital of France is") and lp["tokens"][0] == "<|im_start|>"
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][:2] == [0, 0]
+    for token, offset in list(zip(lp["tokens"], lp["text_offset"]))[1:]:
+        assert text[offset : offset + len(token)] == token

@@ -99,6 +99,13 @@ class CompletionHandler:
         skip = self.body.skip_special_tokens
         return self.state.tokenizer.decode(self.prompts[prompt_index], skip_special_tokens=skip)
 
+    def _unechoed_ids(self) -> frozenset[int]:
+        """Special tokens that _prompt_text leaves out of a token-id prompt's echo."""
+        decoded = not isinstance(self.body.prompt, str) and not all(isinstance(p, str) for p in self.body.prompt)
+        if not (decoded and self.body.skip_special_tokens and self.state.tokenizer is not None):
+            return frozenset()
+        return frozenset(self.state.tokenizer.all_special_ids)
+
     def _runs(self) -> list[AsyncIterator[ChoiceDelta]]:
         n = self.body.n
         return [
@@ -118,7 +125,8 @@ class CompletionHandler:
         prompt_ids = self.prompts[index // self.body.n]
         fields = {}
         if self.echo_logprobs:
-            fields["logprobs"] = echoed_prompt_logprobs(prompt_ids, scored, self.token_text, self.body.logprobs)
+            fields["logprobs"] = echoed_prompt_logprobs(prompt_ids, scored, self.token_text, self.body.logprobs,
+                                                        self._unechoed_ids())
         if self.body.prompt_logprobs is not None:
             fields["prompt_logprobs"] = vllm_prompt_logprobs(prompt_ids, scored, self.token_text)
         return fields

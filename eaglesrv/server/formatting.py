@@ -104,12 +104,15 @@ def completion_logprobs(
 
 
 def echoed_prompt_logprobs(
-    prompt_ids: Sequence[int], scored: Sequence[PromptLogprob], token_text: TokenText, top_n: int
+    prompt_ids: Sequence[int], scored: Sequence[PromptLogprob], token_text: TokenText, top_n: int,
+    unechoed_ids: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """Completions shape for an echoed prompt: every prompt token, the first with a null
-    logprob (nothing precedes it), text offsets from the start of the prompt."""
+    logprob (nothing precedes it), text offsets into the echoed text, in which the tokens in
+    `unechoed_ids` (special tokens a token-id prompt's echo leaves out) take no room."""
     tokens = [token_text(t) for t in prompt_ids]
-    offsets = [0, *itertools.accumulate(len(text) for text in tokens)][:-1]
+    widths = (0 if t in unechoed_ids else len(text) for t, text in zip(prompt_ids, tokens))
+    offsets = [0, *itertools.accumulate(widths)][:-1]
     tops = [None] + [{token_text(t): lp for t, lp in entry.top[:top_n]} for entry in scored]
     return {"tokens": tokens, "token_logprobs": [None] + [entry.logprob for entry in scored],
             "top_logprobs": tops, "text_offset": offsets}
