@@ -39,3 +39,17 @@ def run_staggered(
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         step += 1
     return [outputs[i] for i in ids]
+
+
+def spy_on_preemptions(engine: Engine) -> list[str]:
+    """The ids of every request the engine's scheduler preempts from now on (filled as it runs)."""
+    preempted: list[str] = []
+    original_schedule = engine.scheduler.schedule
+
+    def spying_schedule():
+        batch = original_schedule()
+        preempted.extend(batch.preempted_ids)
+        return batch
+
+    engine.scheduler.schedule = spying_schedule
+    return preempted

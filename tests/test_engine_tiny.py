@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import engine_config, save_tiny_llama
-from engine_helpers import hf_greedy, random_prompts, run_staggered
+from engine_helpers import hf_greedy, random_prompts, run_staggered, spy_on_preemptions
 from transformers import AutoModelForCausalLM
 
 from eaglesrv.engine.llm_engine import Engine
@@ -43,15 +43,7 @@ def test_preemption_gives_the_same_outputs_and_frees_every_page(tiny_llama_dir, 
     # 14 pages of 8 tokens cannot hold 7 sequences of up to 88 tokens at once.
     engine = Engine(engine_config(tiny_llama_dir, max_total_tokens=112, page_size=8, admission_watermark=0.0))
     prompts = random_prompts(LENGTHS, 256)
-    preempted = []
-    original_schedule = engine.scheduler.schedule
-
-    def spying_schedule():
-        batch = original_schedule()
-        preempted.extend(batch.preempted_ids)
-        return batch
-
-    engine.scheduler.schedule = spying_schedule
+    preempted = spy_on_preemptions(engine)
     assert run_staggered(engine, prompts, GREEDY, every=1) == expected
     assert preempted, "the pool was meant to be too small"
     assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages

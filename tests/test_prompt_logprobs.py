@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import engine_config
 from eagle3_helpers import spec_config
-from engine_helpers import random_prompts, run_staggered
+from engine_helpers import random_prompts, run_staggered, spy_on_preemptions
 from transformers import AutoModelForCausalLM
 
 from eaglesrv.engine.llm_engine import Engine
@@ -103,15 +103,7 @@ def test_scoring_from_a_start_position_with_no_output(tiny_llama_dir, hf_scores)
 def test_preempted_requests_score_each_prompt_token_once(tiny_llama_dir, hf_scores):
     engine = Engine(engine_config(tiny_llama_dir, max_total_tokens=96, page_size=8, admission_watermark=0.0,
                                   chunked_prefill_size=16))
-    preempted = []
-    original_schedule = engine.scheduler.schedule
-
-    def spying_schedule():
-        batch = original_schedule()
-        preempted.extend(batch.preempted_ids)
-        return batch
-
-    engine.scheduler.schedule = spying_schedule
+    preempted = spy_on_preemptions(engine)
     prompts = random_prompts(LENGTHS, 256)
     ids = [engine.add_request(prompt, SCORE.replace(max_tokens=12)) for prompt in prompts]
     scored = {request_id: [] for request_id in ids}
