@@ -14,6 +14,12 @@ the configurations), and writes to --output-dir:
     python -m eaglesrv.bench_compare --num-prompts 100 --concurrencies 1,4,16,64 \\
         --speculative-draft-model-path HEAD --eagle-configs 5,8,32 3,1,4 \\
         --server-args "--num-threads 2 --max-total-tokens 65536" --output-dir docs/bench_compare_cpu
+    python -m eaglesrv.bench_compare --baseline radix --config "radix=" \\
+        --config "no-radix=--disable-radix-cache" --dataset-name generated-shared-prefix \\
+        --gsp-num-groups 8 --gsp-prompts-per-group 8 --concurrencies 4,16 --output-dir gsp_out
+
+Any of bench_serving's workloads runs (--dataset-name), the shared-prefix and multi-turn
+ones included; every run flushes the server's prefix cache first.
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from eaglesrv.bench.compare.configs import EagleTree, ServerVariant, build_configs, with_sources
+from eaglesrv.bench.compare.configs import BASELINE, EagleTree, ServerVariant, build_configs, with_sources
 from eaglesrv.bench.compare.report import JSON_NAME, MARKDOWN_NAME, PLOT_NAME, require_matplotlib
 from eaglesrv.bench.compare.run import CompareSettings, run_comparison
 from eaglesrv.bench.serving.client import BACKENDS
-from eaglesrv.bench.serving.dataset import DatasetRow, summarize
+from eaglesrv.bench.serving.dataset import summarize
+from eaglesrv.bench.serving.run import Workload
 from eaglesrv.bench.serving.tokenizer import load_tokenizer
 from eaglesrv.bench_serving import add_dataset_args, fill_defaults, requests_from_args
 
@@ -62,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help='one more configuration, e.g. --config "adaptive=--speculative-algorithm EAGLE3 ..." '
                         "(repeatable)")
+    p.add_argument("--baseline", default=BASELINE, metavar="NAME",
+                   help="the configuration the ratios are to (default: plain, the server with no added flags); "
+                        "naming another one (a --config NAME) leaves plain out")
     p.add_argument("--config-source", action="append", default=[], metavar="NAME=DIR",
                    help="run configuration NAME's server from the eaglesrv source tree at DIR (which holds "
                         "eaglesrv/, e.g. a `git worktree add DIR REV`) instead of the installed eaglesrv, to "
@@ -108,27 +118,40 @@ def _check_server_args(server_args: Sequence[str]) -> None:
                          "--server-args: the tokenizer that counts tokens must be the served model's")
 
 
-def describe(args: argparse.Namespace, rows: Sequence[DatasetRow], configs: Sequence[ServerVariant]) -> list[str]:
+def workload_source(args: argparse.Namespace, rows: Workload) -> str:
+    """What the requests are, e.g. "100 held-out ShareGPT prompts (seed 1)"."""
+    split = "held-out" if args.sharegpt_split == "heldout" else "any"
+    if args.dataset_name == "random":
+        return (f"{len(rows)} random prompts ({args.random_input_len} in, {args.random_output_len} out, "
+                f"ratio {args.random_range_ratio})")
+    if args.dataset_name == "generated-shared-prefix":
+        return (f"{len(rows)} generated shared-prefix prompts ({args.gsp_num_groups} groups of "
+                f"{args.gsp_prompts_per_group}: {args.gsp_system_prompt_len}-token system prompts, "
+                f"{args.gsp_question_len}-token questions, {args.gsp_output_len} out; seed {args.seed})")
+    if args.dataset_name == "sharegpt-multiturn":
+        turns = sum(r.num_turns for r in rows)
+        return (f"{len(rows)} {split} ShareGPT conversations of {turns} turns in all, replayed turn by turn "
+                f"(seed {args.seed}; input tokens: the user turns' own)")
+    return f"{len(rows)} {split} ShareGPT prompts (seed {args.seed})"
+
+
+def describe(args: argparse.Namespace, rows: Workload, configs: Sequence[ServerVariant]) -> list[str]:
     """The lines above the table: what ran, on what."""
     from eaglesrv.bench.machine import machine_info
 
     m = machine_info()
-    if args.dataset_name == "random":
-        source = (f"random prompts ({args.random_input_len} in, {args.random_output_len} out, "
-                  f"ratio {args.random_range_ratio})")
-    else:
-        split = "held-out" if args.sharegpt_split == "heldout" else "any"
-        source = f"{split} ShareGPT prompts (seed {args.seed})"
+    baseline = args.baseline
     return [
         f"Machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; "
         f"1-min load average {m['load_average_1m']} at start",
-        f"Model: {args.model_path or DEFAULT_MODEL}; {len(rows)} {source}, "
+        f"Model: {args.model_path or DEFAULT_MODEL}; {workload_source(args, rows)}, "
         f"{sum(r.prompt_len for r in rows)} input and {sum(r.output_len for r in rows)} output tokens, EOS ignored; "
         f"backend {args.backend}",
         "Server flags: " + "; ".join(f"{c.name}: `{shlex.join([*c.server_args, *shlex.split(args.server_args)])}`"
                                      for c in configs),
         *[_source_line(c) for c in configs if c.source_dir],
-        "vs plain: output tok/s over plain's at the same concurrency. Accept length: tokens per verification.",
+        f"vs {baseline}: output tok/s over {baseline}'s at the same concurrency. "
+        "Accept length: tokens per verification.",
         *([f"{args.rounds} rounds per configuration and concurrency, interleaved, order reversed each round; "
            "rows pool the rounds (tokens over time); 'each round': the range of the per-round ratios."]
           if args.rounds > 1 else []),
@@ -140,7 +163,13 @@ def _source_line(config: ServerVariant) -> str:
     return f"{config.name} runs eaglesrv from `{config.source_dir}`" + (f" ({revision})" if revision else "")
 
 
-def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerVariant], runs: list[dict]) -> list[str]:
+def request_count(rows: Workload) -> int:
+    """Requests one run sends: a multi-turn conversation sends one per turn."""
+    return sum(getattr(r, "num_turns", 1) for r in rows)
+
+
+def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerVariant], runs: list[dict],
+                   expected_requests: int) -> list[str]:
     problems = []
     for config in configs:
         for c in args.concurrencies:
@@ -148,7 +177,7 @@ def smoke_problems(args: argparse.Namespace, configs: Sequence[ServerVariant], r
                 where = f"{config.name} at concurrency {c}" + (f", round {round_number}" if args.rounds > 1 else "")
                 run = next((r for r in runs if (r["config"], r["max_concurrency"], r["round"])
                             == (config.name, c, round_number)), None)
-                if run is None or run["completed"] != args.num_prompts:
+                if run is None or run["completed"] != expected_requests:
                     problems.append(f"{where}: " + ("no run" if run is None else f"{run['failed']} requests failed"))
                 elif "--speculative-algorithm" in config.server_args and run.get("accept_length") is None:
                     problems.append(f"{where}: no accept length")
@@ -165,8 +194,10 @@ def run_context(args: argparse.Namespace, argv: Sequence[str] | None, configs: S
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings["eagle_configs"] = [str(t) for t in args.eagle_configs]
     command = ["python", "-m", "eaglesrv.bench_compare", *(argv if argv is not None else sys.argv[1:])]
+    unit = "conversations" if args.dataset_name == "sharegpt-multiturn" else "prompts"
     return {
-        "title": f"Output throughput, {num_rows} prompts, {args.model_path or DEFAULT_MODEL}",
+        "title": f"Output throughput, {num_rows} {unit}, {args.model_path or DEFAULT_MODEL}",
+        "baseline": args.baseline,
         "command": shlex.join(command), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "header": header,
         "settings": settings,
         "configs": [{"name": c.name, "server_args": [*model_args(args), *c.server_args, *server_args],
@@ -196,7 +227,7 @@ def build_variants(args: argparse.Namespace) -> list[ServerVariant]:
     here, before any server starts."""
     try:
         configs = build_configs(args.speculative_draft_model_path, args.eagle_configs, args.config,
-                                args.adaptive_configs, default_model=args.model_path is None)
+                                args.adaptive_configs, default_model=args.model_path is None, baseline=args.baseline)
         return with_sources(configs, args.config_source)
     except ValueError as e:
         raise SystemExit(f"bench_compare: {e}") from None
@@ -215,14 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = CompareSettings(
         concurrencies=args.concurrencies, output_dir=args.output_dir, backend=args.backend,
         model_args=model_args(args), server_args=server_args, startup_timeout_s=args.startup_timeout,
-        seed=args.seed, show_progress=not args.disable_tqdm, rounds=args.rounds,
+        seed=args.seed, show_progress=not args.disable_tqdm, rounds=args.rounds, baseline=args.baseline,
     )
     context = run_context(args, argv, configs, server_args, header, len(rows))
     runs = run_comparison(configs, rows, tokenizer, settings, context, header)
     print("\n" + (args.output_dir / MARKDOWN_NAME).read_text())
     print("Written: " + ", ".join(str(args.output_dir / name) for name in (MARKDOWN_NAME, JSON_NAME, PLOT_NAME)))
     if args.smoke:
-        problems = smoke_problems(args, configs, runs)
+        problems = smoke_problems(args, configs, runs, request_count(rows))
         print("Smoke check: " + ("; ".join(problems) if problems else "every configuration and concurrency ran"))
         return 1 if problems else 0
     return 0

@@ -3,7 +3,10 @@
 Each is a name and the launch flags that make it. A new mode is one more line in
 `build_configs` (or, with no code at all, `--config "NAME=FLAGS"` on the command line).
 `--config-source NAME=DIR` runs one of them from another eaglesrv source tree, so two code
-revisions can be compared in one run.
+revisions can be compared in one run. The ratios are to the baseline: the built-in plain
+server, or with `--baseline NAME` another configuration, and then plain does not run (so
+`--config "radix=" --config "no-radix=--disable-radix-cache" --baseline radix` runs two
+servers, not a third one identical to radix).
 """
 
 from __future__ import annotations
@@ -80,21 +83,24 @@ def custom(spec: str) -> ServerVariant:
 
 def build_configs(draft_model_path: str | None, trees: Sequence[EagleTree],
                   extra: Sequence[str] = (), adaptive_trees: Sequence[EagleTree] = (),
-                  default_model: bool = False) -> list[ServerVariant]:
-    """plain first (the ratios' baseline), then one EAGLE-3 server per tree, one adaptive
-    server per largest tree, then --config ones. Without a draft path the servers use the
-    head shipped for the default model, so that needs `default_model`."""
+                  default_model: bool = False, baseline: str = BASELINE) -> list[ServerVariant]:
+    """The baseline first (the ratios' denominator: plain, unless `baseline` names another
+    configuration, and then plain is left out), then one EAGLE-3 server per tree, one
+    adaptive server per largest tree, then --config ones. Without a draft path the servers
+    use the head shipped for the default model, so that needs `default_model`."""
     if (trees or adaptive_trees) and not draft_model_path and not default_model:
         raise ValueError("EAGLE-3 settings need --speculative-draft-model-path "
                          "(only the default model has a head shipped with eaglesrv)")
-    configs = [plain()]
+    configs = [plain()] if baseline == BASELINE else []
     configs += [eagle3(draft_model_path, tree) for tree in trees]
     configs += [adaptive(draft_model_path, tree) for tree in adaptive_trees]
     configs += [custom(spec) for spec in extra]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"configuration names must differ: {names}")
-    return configs
+    if baseline not in names:
+        raise ValueError(f"--baseline {baseline}: no configuration has that name (they are: {', '.join(names)})")
+    return sorted(configs, key=lambda c: c.name != baseline)  # the baseline first, the rest in order
 
 
 def with_sources(variants: Sequence[ServerVariant], specs: Sequence[str]) -> list[ServerVariant]:

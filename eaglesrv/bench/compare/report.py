@@ -2,8 +2,9 @@
 
 A run is one configuration at one concurrency in one round: the JSON record of a
 `bench_serving` run (whose "max_concurrency" is the concurrency; its "concurrency" is the
-measured mean number in flight) plus "config" and "round". Ratios are to the plain server
-at the same concurrency (and, per run, in the same round).
+measured mean number in flight) plus "config" and "round". Ratios are to the baseline
+(the plain server, unless bench_compare's --baseline names another configuration) at the
+same concurrency (and, per run, in the same round); their keys keep the name "vs_plain".
 
 With several rounds, the table has one row per configuration and concurrency, pooled over
 its rounds: output tok/s is all their tokens over all their time, TTFT and ITL means are
@@ -25,10 +26,10 @@ MARKDOWN_NAME, JSON_NAME, PLOT_NAME = "bench_compare.md", "bench_compare.json", 
 RUN_FIELDS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_itl_ms", "median_itl_ms")
 
 
-def add_ratios(runs: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
-    """Set output_throughput_vs_plain on every run (or pooled row): to plain's at the same
-    concurrency and round (None where plain has none)."""
-    plain = {_slot(r): r["output_throughput"] for r in runs if r["config"] == BASELINE}
+def add_ratios(runs: Sequence[dict[str, Any]], baseline: str = BASELINE) -> Sequence[dict[str, Any]]:
+    """Set output_throughput_vs_plain on every run (or pooled row): to the baseline's at the
+    same concurrency and round (None where the baseline has none)."""
+    plain = {_slot(r): r["output_throughput"] for r in runs if r["config"] == baseline}
     for run in runs:
         base = plain.get(_slot(run))
         run["output_throughput_vs_plain"] = run["output_throughput"] / base if base else None
@@ -39,10 +40,10 @@ def _slot(run: dict[str, Any]) -> tuple[int, int]:
     return run["max_concurrency"], run.get("round", 1)
 
 
-def pool_rounds(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def pool_rounds(runs: Sequence[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
     """One row per (configuration, concurrency), in first-run order; a configuration run
-    once at a concurrency is its own row. Ratios to plain are added to the runs first."""
-    add_ratios(runs)
+    once at a concurrency is its own row. Ratios to the baseline are added to the runs first."""
+    add_ratios(runs, baseline)
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for run in runs:
         groups.setdefault((run["config"], run["max_concurrency"]), []).append(run)
@@ -63,7 +64,7 @@ def pool_rounds(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             **{f"median_{m}_ms": statistics.median(r[f"median_{m}_ms"] for r in group) for m in ("ttft", "itl")},
             "vs_plain_each_round": ratios,
         })
-    add_ratios(rows)  # pooled rows have no "round": they pair with plain's pooled row
+    add_ratios(rows, baseline)  # pooled rows have no "round": they pair with the baseline's pooled row
     return rows
 
 
@@ -73,12 +74,13 @@ def _num(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return f"{value:,.{digits}f}{suffix}"
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], header: Sequence[str] = ()) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], header: Sequence[str] = (), baseline: str = BASELINE) -> str:
     """pool_rounds' rows grouped by concurrency, configurations in run order; "-": does
     not apply. With several rounds, a column of the per-round ratios' range."""
     rounds = any(r.get("rounds", 1) > 1 for r in rows)
     lines = [*header, "" if header else None,
-             "| concurrency | configuration | output tok/s | vs plain " + ("| vs plain, each round " if rounds else "")
+             f"| concurrency | configuration | output tok/s | vs {baseline} "
+             + (f"| vs {baseline}, each round " if rounds else "")
              + "| accept length | TTFT mean (ms) | TTFT median (ms) | ITL mean (ms) | ITL median (ms) | requests ok |",
              "|---:|---|---:|---:|" + ("---:|" if rounds else "") + "---:|---:|---:|---:|---:|---:|"]
     for run in sorted(rows, key=lambda r: r["max_concurrency"]):  # sorted() is stable: run order within
@@ -127,13 +129,13 @@ def plot_throughput(runs: Sequence[dict[str, Any]], path: Path, title: str = "")
 
 
 def write_outputs(output_dir: Path, runs: list[dict[str, Any]], context: dict[str, Any],
-                  header: Sequence[str]) -> dict[str, Path]:
+                  header: Sequence[str], baseline: str = BASELINE) -> dict[str, Path]:
     """bench_compare.md, bench_compare.json and throughput.png in output_dir; their paths.
     The JSON holds every run ("runs") and the table's rows ("table")."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    rows = pool_rounds(runs)
+    rows = pool_rounds(runs, baseline)
     paths = {"markdown": output_dir / MARKDOWN_NAME, "json": output_dir / JSON_NAME, "plot": output_dir / PLOT_NAME}
-    paths["markdown"].write_text(markdown_table(rows, header) + "\n")
+    paths["markdown"].write_text(markdown_table(rows, header, baseline) + "\n")
     with open(paths["json"], "w") as f:
         json.dump(_strict_json({**context, "runs": runs, "table": rows}), f, indent=1, default=str, allow_nan=False)
     if rows:

@@ -1,7 +1,8 @@
 """Run every configuration at every concurrency with the same requests (behind `bench_compare`).
 
 A run is one `bench_serving` run (requests sent all at once, at most `concurrency` in
-flight) against one configuration's server.
+flight) against one configuration's server. Every run flushes the server's prefix cache
+after its warm-up, so that no run finds the prompts of the runs before it cached.
 
 One round (the default): one fresh server per configuration, all its concurrencies, then
 the next. Several rounds: every server is up from the start (idle ones wait on their
@@ -23,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from eaglesrv.bench.compare.configs import ServerVariant
+from eaglesrv.bench.compare.configs import BASELINE, ServerVariant
 from eaglesrv.bench.compare.launcher import ManagedServer
 from eaglesrv.bench.compare.report import write_outputs
-from eaglesrv.bench.serving.dataset import DatasetRow
-from eaglesrv.bench.serving.run import BenchSettings, append_jsonl, run_benchmark
+from eaglesrv.bench.serving.run import BenchSettings, Workload, append_jsonl, run_benchmark
 
 RUNS_NAME = "runs.jsonl"  # every run's full record, one line each, as bench_serving --output-file writes
 
@@ -43,6 +43,7 @@ class CompareSettings:
     seed: int = 1
     show_progress: bool = True
     rounds: int = 1  # runs of every configuration at each concurrency, interleaved
+    baseline: str = BASELINE  # the configuration the ratios are to
 
 
 def _slug(name: str) -> str:
@@ -68,7 +69,7 @@ def schedule(configs: Sequence[ServerVariant], concurrencies: Sequence[int],
 
 
 def run_comparison(
-    configs: Sequence[ServerVariant], rows: Sequence[DatasetRow], tokenizer: Any, settings: CompareSettings,
+    configs: Sequence[ServerVariant], rows: Workload, tokenizer: Any, settings: CompareSettings,
     context: dict[str, Any], header: Sequence[str],
 ) -> list[dict[str, Any]]:
     """Every run's record ({"config", "round", **bench_serving's JSON}), in run order."""
@@ -101,12 +102,12 @@ def run_comparison(
                 label += f", round {round_number}/{settings.rounds}"
             bench = BenchSettings(
                 backend=settings.backend, base_url=server.base_url, model=model, max_concurrency=concurrency,
-                seed=settings.seed, show_progress=settings.show_progress, progress_label=label,
+                seed=settings.seed, show_progress=settings.show_progress, progress_label=label, flush_cache=True,
             )
             result = run_benchmark(bench, rows, tokenizer)
             print(result.report(), flush=True)
             record = {"config": config.name, "round": round_number, **result.to_json()}  # max_concurrency: concurrency
             append_jsonl(settings.output_dir / RUNS_NAME, record)
             runs.append(record)
-            write_outputs(settings.output_dir, runs, context, header)  # between runs: the servers idle
+            write_outputs(settings.output_dir, runs, context, header, settings.baseline)  # the servers idle
     return runs

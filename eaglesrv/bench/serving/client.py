@@ -14,7 +14,10 @@ else the requested length.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import random
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,6 +42,8 @@ class RequestInput:
     stream: bool = True
     ignore_eos: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # The chat backends send these instead of `prompt` as one user message (a multi-turn conversation so far).
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @dataclass
@@ -180,7 +185,8 @@ async def openai_completions(client: httpx.AsyncClient, inp: RequestInput) -> Re
 
 
 async def openai_chat(client: httpx.AsyncClient, inp: RequestInput) -> RequestRecord:
-    payload = {**_openai_payload(inp), "messages": [{"role": "user", "content": inp.prompt}]}
+    messages = list(inp.messages) if inp.messages else [{"role": "user", "content": inp.prompt}]
+    payload = {**_openai_payload(inp), "messages": messages}
 
     def text_of(choice: dict) -> str | None:
         return (choice.get("delta") or choice.get("message") or {}).get("content")
@@ -196,3 +202,15 @@ def request_func(backend: str) -> RequestFunc:
     if backend in NATIVE_BACKENDS:
         return native_generate
     return openai_completions if backend in COMPLETION_BACKENDS else openai_chat
+
+
+async def start_spaced(items: list, start: Callable[[Any], Awaitable[Any]], request_rate: float,
+                       arrivals: random.Random) -> list:
+    """Run `start(item)` for every item, started at Poisson arrivals of `request_rate` per
+    second (all at once when it is infinite); their results in item order."""
+    tasks = []
+    for item in items:
+        tasks.append(asyncio.create_task(start(item)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(arrivals.expovariate(request_rate))
+    return list(await asyncio.gather(*tasks))

@@ -1,4 +1,5 @@
 """Requests for `bench_serving`: ShareGPT prompts or random-length ones, sampled as SGLang does.
+(SGLang's generated-shared-prefix dataset: shared_prefix.py; multi-turn conversations: multiturn.py.)
 
 ShareGPT: conversations are shuffled with the seed; the first human turn is the prompt
 and the token length of the first reply is the output length (or --sharegpt-output-len);
@@ -48,11 +49,16 @@ def sharegpt_pairs(dataset_path: str | None, split: Split) -> list[tuple[str, st
     raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
 
 
-def apply_chat_template(tokenizer: Any, prompt: str) -> str:
-    """The prompt as one user turn ready for the reply, without the BOS the server would add again."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
+def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+    """The messages in the tokenizer's chat template, ready for the assistant's reply, without
+    the BOS the server would add again."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     return text.replace(tokenizer.bos_token, "") if tokenizer.bos_token else text
+
+
+def apply_chat_template(tokenizer: Any, prompt: str) -> str:
+    """The prompt as one user turn ready for the reply (see `render_chat`)."""
+    return render_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def sample_sharegpt_requests(
@@ -122,6 +128,11 @@ def sample_random_requests(
     return rows
 
 
-def summarize(rows: Sequence[DatasetRow]) -> str:
-    return (f"#Input tokens: {sum(r.prompt_len for r in rows)}\n"
+def summarize(rows: Sequence[Any]) -> str:
+    """The workload's tokens; for multi-turn conversations (rows with num_turns), the user turns' own."""
+    text = (f"#Input tokens: {sum(r.prompt_len for r in rows)}\n"
             f"#Output tokens: {sum(r.output_len for r in rows)}")
+    if rows and hasattr(rows[0], "num_turns"):
+        text = (f"#Conversations: {len(rows)}, #Turns: {sum(r.num_turns for r in rows)} "
+                "(input tokens: the user turns', without the history each turn resends)\n" + text)
+    return text

@@ -1,7 +1,10 @@
 """One `bench_serving` run against a live server: warm up, send every request, measure.
 
 Requests leave at `request_rate` per second (Poisson arrivals; all at once when inf),
-with at most `max_concurrency` in flight, as in SGLang. The accept length is the server's:
+with at most `max_concurrency` in flight, as in SGLang. Multi-turn conversations
+(`multiturn.ConversationRow`) are replayed turn by turn instead (see multiturn.py).
+With `flush_cache`, the server's prefix cache is flushed after the warm-up, as SGLang's
+--flush-cache does, so that the run starts cold whatever ran before it. The accept length is the server's:
 with eaglesrv, the speculation counters of /get_server_info read before and after the
 run, so it covers this run only (the server may have served others since it started);
 with a server that reports only a running average (SGLang), that average.
@@ -16,16 +19,24 @@ import random
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
 from tqdm import tqdm
 
-from eaglesrv.bench.serving.client import RequestInput, RequestRecord, api_path, request_func
+from eaglesrv.bench.serving.client import RequestInput, RequestRecord, api_path, request_func, start_spaced
 from eaglesrv.bench.serving.dataset import DatasetRow
 from eaglesrv.bench.serving.metrics import ServingMetrics, compute_metrics, format_report
+from eaglesrv.bench.serving.multiturn import (
+    ConversationRow,
+    count_prompt_tokens,
+    first_turn_row,
+    format_turn_report,
+    replay_conversations,
+    turn_stats,
+)
 
 MAX_ERRORS_KEPT = 5
 WARMUP_OUTPUT_LEN = 32  # SGLang's cap on the warm-up request's output
@@ -46,6 +57,7 @@ class BenchSettings:
     show_progress: bool = True
     progress_label: str | None = None
     headers: dict[str, str] = field(default_factory=dict)  # e.g. an API key
+    flush_cache: bool = False  # POST /flush_cache after the warm-up
 
     @property
     def api_url(self) -> str:
@@ -59,6 +71,7 @@ class BenchResult:
     metrics: ServingMetrics
     accept_length: float | None
     outputs: list[RequestRecord]
+    turns: list[int] | None = None  # multi-turn runs: each output's turn number (1 for a first turn)
 
     @property
     def errors(self) -> list[str]:
@@ -74,6 +87,8 @@ class BenchResult:
             counts = Counter(o.error.strip() for o in self.outputs if not o.success)
             shown = "\n".join(f"--- {counts[e]} request(s):\n{e}" for e in self.errors)
             text += f"\nFirst errors of the {self.metrics.failed} failed requests:\n{shown}"
+        if self.turns is not None:
+            text += "\n" + format_turn_report(turn_stats(self.outputs, self.turns), self.turns.count(1))
         return text
 
     def to_json(self, details: bool = False) -> dict[str, Any]:
@@ -84,12 +99,17 @@ class BenchResult:
             **_sglang_keys(self.metrics.to_json()), "accept_length": self.accept_length,
             "first_errors": self.errors,
         }
+        if self.turns is not None:
+            record.update(conversations=self.turns.count(1),
+                          ttft_by_turn=[asdict(s) for s in turn_stats(self.outputs, self.turns)])
         if details:
             record.update(input_lens=[o.prompt_len for o in self.outputs],
                           output_lens=[o.output_len if o.success else 0 for o in self.outputs],
                           ttfts=[o.ttft for o in self.outputs], itls=[o.itl for o in self.outputs],
                           generated_texts=[o.generated_text for o in self.outputs],
                           errors=[o.error for o in self.outputs])
+            if self.turns is not None:
+                record["turns"] = self.turns
         return record
 
 
@@ -185,34 +205,54 @@ async def _send_all(client: httpx.AsyncClient, settings: BenchSettings, rows: Se
             bar.update(1)
         return out
 
-    tasks = []
-    for row in rows:
-        tasks.append(asyncio.create_task(one(row)))
-        if math.isfinite(settings.request_rate):
-            await asyncio.sleep(arrivals.expovariate(settings.request_rate))  # Poisson arrivals
-    return list(await asyncio.gather(*tasks))
+    return await start_spaced(list(rows), one, settings.request_rate, arrivals)
 
 
-async def benchmark(settings: BenchSettings, rows: Sequence[DatasetRow], tokenizer: Any,
+async def flush_cache(client: httpx.AsyncClient, base_url: str) -> None:
+    """Empty the server's prefix cache (SGLang's and eaglesrv's /flush_cache); a server without one is told."""
+    try:
+        response = await client.post(base_url + "/flush_cache", timeout=60.0)
+        if response.status_code == 200:
+            return
+        problem = f"HTTP {response.status_code}"
+    except httpx.HTTPError as e:
+        problem = repr(e)
+    print(f"Warning: /flush_cache failed ({problem}); the run starts with whatever the server has cached")
+
+
+Workload = Sequence[DatasetRow] | Sequence[ConversationRow]
+
+
+async def benchmark(settings: BenchSettings, rows: Workload, tokenizer: Any,
                     transport: httpx.AsyncBaseTransport | None = None) -> BenchResult:
-    """Warm up, run every row once, and measure; `transport` lets tests answer without a server."""
+    """Warm up, run every row (or conversation) once, and measure; `transport` lets tests answer
+    without a server."""
     if not rows:
         raise ValueError("no requests to send")
+    multiturn = isinstance(rows[0], ConversationRow)
     async with _new_client(settings, transport) as client:
-        await _warm_up(client, settings, rows[0])
+        await _warm_up(client, settings, first_turn_row(rows[0], tokenizer, settings.backend) if multiturn else rows[0])
+        if settings.flush_cache:
+            await flush_cache(client, settings.base_url)
         before = await server_info(client, settings.base_url)
-        bar = tqdm(total=len(rows), desc=settings.progress_label, disable=not settings.show_progress)
+        total = sum(r.num_turns for r in rows) if multiturn else len(rows)
+        bar = tqdm(total=total, desc=settings.progress_label, disable=not settings.show_progress)
         started = time.perf_counter()
         try:
-            outputs = await _send_all(client, settings, rows, bar)
+            if multiturn:
+                sent = await replay_conversations(client, settings, rows, tokenizer, bar)
+            else:
+                outputs, turns = await _send_all(client, settings, rows, bar), None
         finally:
             bar.close()
         duration = time.perf_counter() - started
         after = await server_info(client, settings.base_url)
+    if multiturn:
+        outputs, turns = count_prompt_tokens(sent, tokenizer)
     metrics = compute_metrics(outputs, duration, tokenizer)
-    return BenchResult(settings, duration, metrics, accept_length_between(before, after), outputs)
+    return BenchResult(settings, duration, metrics, accept_length_between(before, after), outputs, turns)
 
 
-def run_benchmark(settings: BenchSettings, rows: Sequence[DatasetRow], tokenizer: Any) -> BenchResult:
+def run_benchmark(settings: BenchSettings, rows: Workload, tokenizer: Any) -> BenchResult:
     raise_open_file_limit()
     return asyncio.run(benchmark(settings, rows, tokenizer))
