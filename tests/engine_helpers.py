@@ -53,3 +53,17 @@ def spy_on_preemptions(engine: Engine) -> list[str]:
 
     engine.scheduler.schedule = spying_schedule
     return preempted
+
+
+def assert_pages_returned(engine: Engine) -> None:
+    """With no request left, every KV page is free or kept by the prefix cache for nobody:
+    free + cached = total, no cached page locked, and each cached page has the cache as
+    its only holder."""
+    scheduler = engine.scheduler
+    assert not scheduler.has_work
+    cache, pages = scheduler.cache, scheduler.pages
+    cached = cache.num_pages if cache is not None else 0
+    assert pages.num_free + cached == pages.num_pages
+    if cache is not None:
+        assert cache.num_evictable == cache.num_pages
+        assert all(pages.holders(node.page) == 1 for node in cache._nodes())

@@ -89,9 +89,10 @@ class LiveServer:
         return response.json()
 
     def kv_state(self) -> tuple[int, int, int]:
-        """(free KV pages, running requests, waiting requests)."""
+        """(KV pages a request could get: free, or cached for nobody; running requests, waiting requests)."""
         state = self.server_info()["internal_states"][0]
-        return state["kv_pages_free"], state["num_running_reqs"], state["num_waiting_reqs"]
+        available = state["kv_pages_free"] + state.get("prefix_cache_evictable_pages", 0)
+        return available, state["num_running_reqs"], state["num_waiting_reqs"]
 
     def wait_idle(self, free_pages: int, timeout_s: float = 60.0) -> tuple[int, int, int]:
         """Poll until nothing runs and `free_pages` pages are free; the last state seen."""

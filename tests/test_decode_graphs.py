@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import engine_config
-from engine_helpers import hf_greedy, random_prompts, run_staggered
+from engine_helpers import assert_pages_returned, hf_greedy, random_prompts, run_staggered
 from flashinfer_oracle import serve_through_stand_in
 from transformers import AutoModelForCausalLM
 
@@ -63,7 +63,7 @@ def test_greedy_through_decode_graphs_equals_transformers(tiny_llama_dir, expect
     replays = graphs.runner.replays
     assert replays[4] > 0 and replays[2] > 0 and replays[1] > 0
     assert sum(replays.values()) == sum(size <= MAX_BS for size in sizes)  # everything else ran eagerly
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_graphs_are_off_unless_asked_for_on_the_cpu(tiny_llama_dir):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import engine_config
 from eagle3_helpers import save_random_head, spec_config, use_oracle
-from engine_helpers import random_prompts, run_staggered
+from engine_helpers import assert_pages_returned, random_prompts, run_staggered
 
 from eaglesrv.engine.eagle3.draft_model import DraftHeadError
 from eaglesrv.engine.llm_engine import Engine
@@ -31,7 +31,7 @@ def test_greedy_equals_plain_single_and_staggered_batch(tiny_llama_dir, head_dir
     assert run_staggered(engine, prompts, GREEDY, every=2) == plain_outputs
     stats = engine.spec_stats
     assert stats["spec_verifications"] > 0 and stats["avg_spec_accept_length"] >= 1.0
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 @pytest.mark.parametrize("tree", [(3, 1, 4), (5, 1, 6), (4, 3, 10)], ids=lambda t: "x".join(map(str, t)))
@@ -59,7 +59,7 @@ def test_stop_rules_cut_inside_an_accepted_run(tiny_llama_dir, head_dir):
     assert stopped.output_token_ids == continuation[: first + 1] and stopped.finish_reason == "stop"
     short = engine.generate([prompt], GREEDY.replace(max_tokens=9))[0]
     assert short.output_token_ids == continuation[:9] and short.finish_reason == "length"
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_logprobs_with_speculation_equal_plain(tiny_llama_dir, head_dir):
@@ -97,7 +97,7 @@ def test_pages_all_free_after_aborts_and_forced_preemption(tiny_llama_dir, head_
     assert preempted, "the pool was meant to be too small"
     kept = [i for n, i in enumerate(ids) if n not in (0, 5)]
     assert [outputs[i] for i in kept] == [plain_outputs[n] for n in range(len(ids)) if n not in (0, 5)]
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
     assert not engine.runner.requests, "the runner's request records must be dropped with their requests"
 
 

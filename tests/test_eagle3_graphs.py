@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import engine_config
 from eagle3_helpers import spec_config
-from engine_helpers import random_prompts, run_staggered
+from engine_helpers import assert_pages_returned, random_prompts, run_staggered
 from flashinfer_oracle import serve_through_stand_in
 
 from eaglesrv.engine.adaptive.policy import Decision
@@ -67,7 +67,7 @@ def test_static_eagle3_through_graphs_equals_plain(tiny_llama_dir, head_dir, pla
     assert sum(replays.values()) == sum(size <= MAX_BS for size in sizes)  # everything else ran eagerly
     assert sum(graphs.extend_runner.replays.values()) >= sum(replays.values())
     assert engine.spec_stats["spec_verifications"] > 0
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_requests_that_cannot_speculate_ride_the_plain_step_graph(tiny_llama_dir, head_dir):

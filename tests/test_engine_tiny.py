@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import engine_config, save_tiny_llama
-from engine_helpers import hf_greedy, random_prompts, run_staggered, spy_on_preemptions
+from engine_helpers import assert_pages_returned, hf_greedy, random_prompts, run_staggered, spy_on_preemptions
 from transformers import AutoModelForCausalLM
 
 from eaglesrv.engine.llm_engine import Engine
@@ -36,7 +36,7 @@ def test_batch_together_and_staggered_match_transformers(tiny_llama_dir, expecte
     prompts = random_prompts(LENGTHS, 256)
     assert [r.output_token_ids for r in engine.generate(prompts, GREEDY)] == expected
     assert run_staggered(engine, prompts, GREEDY, every=2) == expected
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_preemption_gives_the_same_outputs_and_frees_every_page(tiny_llama_dir, expected):
@@ -46,7 +46,7 @@ def test_preemption_gives_the_same_outputs_and_frees_every_page(tiny_llama_dir, 
     preempted = spy_on_preemptions(engine)
     assert run_staggered(engine, prompts, GREEDY, every=1) == expected
     assert preempted, "the pool was meant to be too small"
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_chunked_prefill_matches_unchunked(tiny_llama_dir, expected):
@@ -89,7 +89,7 @@ def test_abort_at_any_point_frees_pages(tiny_llama_dir):
     while engine.has_unfinished:
         step()
     assert finished == {ids[0]: "abort", ids[1]: "abort", ids[2]: "length", ids[3]: "abort"}
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_logprobs_match_transformers(tiny_llama_dir, hf_model):
@@ -180,7 +180,7 @@ def test_forward_sequences_scores_on_borrowed_pages_and_only_when_idle(tiny_llam
     with torch.no_grad():
         expected = torch.cat([hf_model(torch.tensor([p])).logits[0] for p in prompts])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
     engine.add_request(prompts[0], GREEDY)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.forward_sequences(prompts)

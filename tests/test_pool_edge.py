@@ -11,7 +11,7 @@ import random
 import pytest
 from conftest import engine_config
 from eagle3_helpers import spec_config
-from engine_helpers import random_prompts
+from engine_helpers import assert_pages_returned, random_prompts
 
 from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.sampling_params import SamplingParams
@@ -71,7 +71,7 @@ def run(engine: Engine, arrivals: list[tuple[int, list[int], SamplingParams]], m
         step += 1
         assert step < max_steps, "the engine stopped making progress"
     engine.scheduler.schedule = schedule
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
     return [results[i] for i in range(len(arrivals))]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import engine_config
 from eagle3_helpers import spec_config
-from engine_helpers import random_prompts, run_staggered, spy_on_preemptions
+from engine_helpers import assert_pages_returned, random_prompts, run_staggered, spy_on_preemptions
 from transformers import AutoModelForCausalLM
 
 from eaglesrv.engine.llm_engine import Engine
@@ -97,7 +97,7 @@ def test_scoring_from_a_start_position_with_no_output(tiny_llama_dir, hf_scores)
         assert [entry.logprob for entry in result.prompt_logprobs] == pytest.approx([e[0] for e in expected[11:]],
                                                                                     abs=1e-4)
         assert all(entry.top == [] for entry in result.prompt_logprobs)
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_preempted_requests_score_each_prompt_token_once(tiny_llama_dir, hf_scores):
@@ -122,3 +122,17 @@ def test_out_of_range_values_are_refused():
         SamplingParams(prompt_logprobs=1, logprob_start_len=-1)
     with pytest.raises(InvalidSamplingParams, match="max_tokens"):
         SamplingParams(max_tokens=-1)
+
+
+def test_a_cached_prefix_is_scored_all_the_same(tiny_llama_dir, hf_scores):
+    """A prompt seen before is scored in full (the cache serves only what is not scored)."""
+    engine = Engine(engine_config(tiny_llama_dir, page_size=4))
+    prompts = random_prompts(LENGTHS, 256)
+    engine.generate(prompts, SCORE.replace(prompt_logprobs=None))
+    results = engine.generate(prompts, SCORE.replace(logprob_start_len=9))
+    for prompt, result, expected in zip(prompts, results, hf_scores):
+        assert [entry.token_id for entry in result.prompt_logprobs] == prompt[9:]
+        assert [entry.logprob for entry in result.prompt_logprobs] == pytest.approx([e[0] for e in expected[8:]],
+                                                                                    abs=1e-4)
+    assert engine.scheduler.cache.hit_tokens >= sum(8 for n in LENGTHS if n > 9)
+    assert_pages_returned(engine)

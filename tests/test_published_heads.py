@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import engine_config, save_tiny_llama
 from eagle3_helpers import save_random_head, spec_config
-from engine_helpers import random_prompts
+from engine_helpers import assert_pages_returned, random_prompts
 from published_heads import LAYOUTS, write_layout
 
 from eaglesrv.engine.eagle3.draft_model import DraftHeadError, Eagle3Config, Eagle3DraftModel
@@ -71,7 +71,7 @@ def test_each_layout_speculates_exactly_past_its_declared_positions(target_dir, 
     assert engine.max_context_len == 512 and engine.runner.draft.rotary_emb.cos.shape[0] == 512
     assert [r.output_token_ids for r in engine.generate(PROMPTS, GREEDY)] == plain_outputs
     assert engine.spec_stats["spec_verifications"] > 0
-    assert engine.scheduler.pages.num_free == engine.scheduler.pages.num_pages
+    assert_pages_returned(engine)
 
 
 def test_adaptive_engine_serves_past_the_declared_positions(target_dir, source_head, embedding, plain_outputs,

@@ -44,7 +44,7 @@ def test_streams_match_the_in_process_engine_and_abort_frees_pages(tiny_llama_di
             after = before
             for _ in range(100):
                 after = await client.stats()
-                if after.num_running == 0 and after.kv_pages_free == before.kv_pages_free:
+                if after.num_running == 0 and after.kv_pages_available == before.kv_pages_available:
                     break
                 await asyncio.sleep(0.05)
             with pytest.raises(RequestRejected, match="limit is"):
@@ -59,8 +59,8 @@ def test_streams_match_the_in_process_engine_and_abort_frees_pages(tiny_llama_di
         assert outputs[-1].finish_reason == "length" and not any(o.finished for o in outputs[:-1])
         logprobs = [lp for out in outputs for lp in out.new_logprobs]
         assert [lp[0] for lp in logprobs] == want.output_token_ids and all(len(lp[2]) == 2 for lp in logprobs)
-    assert before.kv_pages_free == before.kv_pages_total and before.num_running == 0
-    assert (after.kv_pages_free, after.num_running, after.num_waiting) == (before.kv_pages_free, 0, 0)
+    assert before.kv_pages_available == before.kv_pages_total and before.num_running == 0
+    assert (after.kv_pages_available, after.num_running, after.num_waiting) == (before.kv_pages_available, 0, 0)
 
 
 def test_start_up_failure_is_reported_not_hung(tmp_path):
@@ -140,7 +140,7 @@ def test_a_stopped_engine_is_reported_stalled_and_serves_again_when_continued(ti
                 checked = await http.get("/health_generate")
             for _ in range(100):  # the failed request was aborted: the engine lets it go
                 stats = await client.stats()
-                if stats.num_running == 0 and stats.kv_pages_free == stats.kv_pages_total:
+                if stats.num_running == 0 and stats.kv_pages_available == stats.kv_pages_total:
                     break
                 await asyncio.sleep(0.05)
             watchdog.cancel()
@@ -155,4 +155,4 @@ def test_a_stopped_engine_is_reported_stalled_and_serves_again_when_continued(ti
         assert response.status_code == 503 and "no progress" in response.json()["error"]["message"]
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
     assert checked.status_code == 200
-    assert stats.num_running == 0 and stats.kv_pages_free == stats.kv_pages_total
+    assert stats.num_running == 0 and stats.kv_pages_available == stats.kv_pages_total

@@ -118,7 +118,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             graph_batch, max_pages)
         runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec,
                               graphs=_captured(graphs, device, "EAGLE-3 tree-step and draft-extend graphs"))
-    scheduler = Scheduler(config.scheduler, num_pages, page_size, demand=runner)
+    scheduler = Scheduler(config.scheduler, num_pages, page_size, demand=runner,
+                          prefix_cache=not config.cache.disable_radix_cache)
     if adaptive:
         costs = load_or_measure(runner, scheduler.pages, config.scheduler.max_running_requests)
         features = FeaturePool.allocate(num_pages, page_size, feature_width, dtype, device)

@@ -170,15 +170,16 @@ class EngineClient:
             if not finished and self.is_alive:
                 self._send(msg.AbortRequest(request_id))
 
-    async def stats(self, timeout_s: float = 10.0) -> msg.EngineStats:
-        """A fresh scheduler snapshot from the engine process (taken between two steps)."""
+    async def stats(self, timeout_s: float = 10.0, flush_cache: bool = False) -> msg.EngineStats:
+        """A fresh scheduler snapshot from the engine process (taken between two steps),
+        after evicting every cached page no request uses if `flush_cache`."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine has stopped: {self.dead_reason}")
         query_id = next(self._query_ids)
         future = self._loop.create_future()
         self._stats_waiters[query_id] = future
         try:
-            self._send(msg.StatsQuery(query_id))
+            self._send(msg.StatsQuery(query_id, flush_cache))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._stats_waiters.pop(query_id, None)

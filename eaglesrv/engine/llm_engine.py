@@ -86,7 +86,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.is_empty:
             step = self.runner.run(batch)
-            outputs += self.scheduler.update(batch, step.sampled, step.prompt_logprobs)
+            outputs += self.scheduler.update(batch, step.sampled, step.prompt_logprobs, step.reusable_tokens)
         self._forget_finished(outputs)
         self._stats_logger.record(
             sum(len(out.new_token_ids) for out in outputs), len(self.scheduler.running),
@@ -103,11 +103,29 @@ class Engine:
             "kv_pages_used": self.scheduler.pages.num_used,
             "kv_pages_free": self.scheduler.pages.num_free,
             "kv_pages_total": self.scheduler.pages.num_pages,
+            **self._prefix_cache_stats(),
             "page_size": self.scheduler.page_size,
             "max_total_num_tokens": self.scheduler.pool_capacity_tokens,
         }
         snapshot.update(self.spec_stats or {})
         return snapshot
+
+    def _prefix_cache_stats(self) -> dict:
+        cache = self.scheduler.cache
+        return {
+            "prefix_cache_enabled": cache is not None,
+            "prefix_cache_pages": cache.num_pages if cache else 0,
+            "prefix_cache_evictable_pages": cache.num_evictable if cache else 0,
+            "prefix_cache_evicted_pages": cache.evicted_pages if cache else 0,
+            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
+        }
+
+    def flush_cache(self) -> int:
+        """Empty the prefix cache of every page no running request uses; returns how many
+        pages it freed. Safe while serving (call it from the loop's thread)."""
+        return self.scheduler.flush_cache()
 
     @property
     def has_unfinished(self) -> bool:
@@ -189,5 +207,6 @@ class Engine:
         if self.has_unfinished:
             raise RuntimeError("forward_sequences needs an idle engine: requests are in flight")
         sizes = [-(-len(tokens) // self.scheduler.page_size) for tokens in sequences]
+        self.scheduler.reclaim(sum(sizes))
         with self.scheduler.pages.borrowed(sizes) as page_tables:
             return self.runner.forward_sequences(sequences, page_tables, capture_layers)

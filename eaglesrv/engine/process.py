@@ -96,6 +96,8 @@ class EngineLoop:
         elif isinstance(message, msg.AbortRequest):
             self.engine.abort(message.request_id)
         elif isinstance(message, msg.StatsQuery):
+            if message.flush_cache:
+                logger.info("flushed %d cached KV pages", self.engine.flush_cache())
             self._outbox.send(msg.StatsReply(message.query_id, self._stats()))
         else:
             logger.error("ignoring unknown message %r", message)
@@ -111,6 +113,7 @@ class EngineLoop:
             page_size=snapshot["page_size"],
             num_steps=self._num_steps,
             speculation=self.engine.spec_stats,  # None without speculation
+            prefix_cache={k: v for k, v in snapshot.items() if k.startswith("prefix_cache_")},
         )
 
 
@@ -162,6 +165,7 @@ def _wire_output(out) -> msg.EngineOutput:
         ],
         new_prompt_logprobs=list(out.new_prompt_logprobs),
         spec_verify_ct=out.spec_verify_ct,
+        num_cached_tokens=out.num_cached_tokens,
     )
 
 

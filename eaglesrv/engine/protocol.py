@@ -5,7 +5,8 @@ detokenizes, so no text and no torch object crosses the pipe.
 
     API process                         engine process
     AddRequest / AbortRequest  ------>  Engine.add_request / Engine.abort
-    StatsQuery                 ------>  a snapshot taken between two steps
+    StatsQuery                 ------>  a snapshot taken between two steps (after
+                                        emptying the prefix cache, if it asks)
     Shutdown                   ------>  leave the loop, exit 0
                                <------  EngineReady (once) or StartupFailed (then exit 1)
                                <------  StepOutputs (one per step with outputs)
@@ -41,6 +42,7 @@ class AbortRequest:
 @dataclass(frozen=True)
 class StatsQuery:
     query_id: int
+    flush_cache: bool = False  # POST /flush_cache: evict every unused cached page first
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class EngineOutput:
     new_logprobs: list[WireLogprob] = field(default_factory=list)
     new_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # all in a request's first output
     spec_verify_ct: int = 0  # speculative verifications so far
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
     @property
     def finished(self) -> bool:
@@ -121,6 +124,20 @@ class EngineStats:
     # {"avg_spec_accept_length": 2.8, "spec_verifications": 120, "spec_accepted_tokens": 336,
     #  "spec_draft_passes": 600, "spec_acceptance_by_depth": [0.8, 0.6, ...]}.
     speculation: dict | None = None
+    # Engine._prefix_cache_stats: {"prefix_cache_enabled", "prefix_cache_pages",
+    # "prefix_cache_evictable_pages", "prefix_cache_evicted_pages", "prefix_cache_queried_tokens",
+    # "prefix_cache_hit_tokens", "prefix_cache_hit_rate"}
+    prefix_cache: dict = field(default_factory=dict)
+
+    @property
+    def kv_pages_available(self) -> int:
+        """Pages a request could get now: the free ones and the cached ones nobody uses."""
+        return self.kv_pages_free + self.prefix_cache.get("prefix_cache_evictable_pages", 0)
+
+    @property
+    def token_usage(self) -> float:
+        """The fraction of the pool requests hold (SGLang's token_usage)."""
+        return 1.0 - self.kv_pages_available / max(self.kv_pages_total, 1)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class SequenceWork:
     # Prompt tokens [first, end) still to be scored (params.prompt_logprobs): this chunk
     # scores those its rows predict, tokens num_cached + 1 .. num_cached + len(token_ids).
     prompt_logprob_tokens: tuple[int, int] | None = None
+    # The request's first chunk since it was admitted (new, or again after a preemption):
+    # its state before num_cached is the prefix cache's (complete in every pool), or none.
+    admitted: bool = False
 
     def prompt_tokens_scored(self) -> range:
         """Token indices whose logprobs this chunk's rows give (token t from the row at t - 1)."""
@@ -75,6 +78,9 @@ class StepResults:
 
     sampled: list["SequenceResult"]  # one per sequence with sample=True, in order
     prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # batch index -> its scored tokens
+    # batch index -> leading tokens whose engine state is complete, where it lags the
+    # computed tokens (the EAGLE-3 draft's KV): only those may enter the prefix cache
+    reusable_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class RequestOutput:
     # PromptLogprob per prompt token from max(1, logprob_start_len), all in the request's first output
     new_prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     spec_verify_ct: int = 0  # speculative verifications so far (SGLang's meta_info field)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (OpenAI's cached_tokens)
 
     @property
     def finished(self) -> bool:

@@ -11,10 +11,12 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """A free list of page ids in [0, num_pages).
+    """A free list of page ids in [0, num_pages), with a reference count per page.
 
-    It refuses double frees and foreign ids, so a leak or a double use shows up as an
-    error at the point it happens rather than as corrupted attention later.
+    A page has one reference per holder: each request whose page table lists it, and the
+    prefix cache while it keeps the page. It returns to the free list when the last one
+    lets go. It refuses to free a page nobody holds and foreign ids, so a leak or a double
+    use shows up as an error at the point it happens rather than as corrupted attention later.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -22,7 +24,7 @@ class PageAllocator:
             raise ValueError(f"need at least one KV page, got {num_pages}")
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._is_free = [True] * num_pages
+        self._refs = [0] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -37,15 +39,29 @@ class PageAllocator:
             raise OutOfPages(f"asked for {count} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(count)]
         for page in pages:
-            self._is_free[page] = False
+            self._refs[page] = 1
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def share(self, pages: Sequence[int]) -> None:
+        """One more holder for each of `pages`, which must be in use."""
         for page in pages:
-            if not 0 <= page < self.num_pages or self._is_free[page]:
-                raise ValueError(f"page {page} is not allocated")
-            self._is_free[page] = True
-            self._free.append(page)
+            self._check_held(page)
+            self._refs[page] += 1
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one reference to each of `pages`; a page nobody holds any more is free again."""
+        for page in pages:
+            self._check_held(page)
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._free.append(page)
+
+    def holders(self, page: int) -> int:
+        return self._refs[page]
+
+    def _check_held(self, page: int) -> None:
+        if not 0 <= page < self.num_pages or self._refs[page] == 0:
+            raise ValueError(f"page {page} is not allocated")
 
     @contextmanager
     def borrowed(self, counts: Sequence[int]) -> Iterator[list[list[int]]]:

@@ -50,10 +50,23 @@ class Request:
     # A preempted request recomputes its chunks but does not score a token twice.
     next_prompt_logprob: int = 0
     pending_prompt_logprobs: list = field(default_factory=list)
+    # Prefix cache (scheduler/prefix_cache.py): the deepest cache node this request locks,
+    # the leading tokens whose engine state is complete (the EAGLE-3 draft's KV may lag the
+    # target's), and the prompt tokens its first admission found cached (usage reports them).
+    cache_node: object | None = None
+    num_reusable_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    admitted: bool = False  # its first chunk since (re)admission has not run yet
 
     def __post_init__(self) -> None:
         asked = self.params.prompt_logprobs is not None
         self.next_prompt_logprob = max(1, self.params.logprob_start_len) if asked else len(self.prompt_token_ids)
+
+    def cacheable_limit(self) -> int:
+        """The most leading tokens a prefix-cache hit may cover: one token is always
+        computed (to sample from), and prompt tokens still to be scored need their rows."""
+        pending = self.prompt_logprob_tokens()
+        return min(self.num_tokens - 1, pending[0] - 1 if pending else self.num_tokens)
 
     def prompt_logprob_tokens(self) -> tuple[int, int] | None:
         """Prompt tokens [first, end) still to be scored, or None."""

@@ -12,6 +12,14 @@ Each step, in three passes:
      the free pages allow; an admitted request gets pages for its whole prefill at once,
      so that its later chunks never preempt anyone.
 
+With the prefix cache (prefix_cache.py, on unless --disable-radix-cache), an admitted
+request starts from its longest cached prefix and computes only the rest; pages that
+requests have completed enter the cache after every step, and when they finish, are
+preempted or aborted. Unused cached pages count as free: they are evicted, least recently
+used first, whenever pages are needed, before anyone is preempted. A waiting request whose
+prefix another running request is computing right now waits for it, rather than compute
+the same pages alongside it.
+
 Progress is checked every step (NoProgress): with work to do, the batch holds the oldest
 running request, or with none running, the first waiting one. The oldest running request
 always fits alone (a request's context is capped at the pool's size), so a step without it
@@ -36,6 +44,7 @@ from eaglesrv.scheduler.batch import (
     SequenceWork,
 )
 from eaglesrv.scheduler.page_allocator import PageAllocator
+from eaglesrv.scheduler.prefix_cache import PrefixCache
 from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
 
 
@@ -71,12 +80,14 @@ PLAIN_DECODING = FixedDemand()
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, num_pages: int, page_size: int, demand: DecodeDemand = PLAIN_DECODING
+        self, config: SchedulerConfig, num_pages: int, page_size: int, demand: DecodeDemand = PLAIN_DECODING,
+        prefix_cache: bool = False,
     ) -> None:
         self.config = config
         self.page_size = page_size
         self.demand = demand
         self.pages = PageAllocator(num_pages)
+        self.cache = PrefixCache(self.pages, page_size) if prefix_cache else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -119,6 +130,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def num_available_pages(self) -> int:
+        """Pages a request can get now: the free ones and the cached ones nobody uses."""
+        return self.pages.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    def reclaim(self, count: int) -> None:
+        """Evict cached pages until `count` are free (or nothing more can be evicted)."""
+        if self.cache is not None:
+            self.cache.evict(count - self.pages.num_free)
+
+    def flush_cache(self) -> int:
+        """Drop every cached page no running request uses; returns how many."""
+        return self.cache.flush() if self.cache is not None else 0
+
+    @property
     def num_requests(self) -> int:
         return len(self._requests)
 
@@ -153,18 +178,22 @@ class Scheduler:
         lookahead = {request.request_id: self._grant_lookahead(request, decode_lookahead) for request in drafting}
 
         # 3. admission; admitting right after a preemption would only thrash the pool
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_running_requests:
-            request = self.waiting[0]
-            count = int(min(request.num_tokens, budget))
-            needed = self._pages_for(request.num_tokens)
-            if self.pages.num_free - needed < self._watermark_pages and self.running:
+        position = 0
+        while (position < len(self.waiting) and budget > 0 and not preempted
+               and len(self.running) < self.config.max_running_requests):
+            request = self.waiting[position]
+            if self._shares_prefix_in_flight(request):
+                position += 1  # the pages it would share are being computed: take them next step
+                continue
+            hit = self._lock_cached_prefix(request)
+            needed = self._pages_for(request.num_tokens) - len(hit)
+            available = self.num_available_pages
+            if (available - needed < self._watermark_pages and self.running) or needed > available:
+                self._release_cache_lock(request)
                 break
-            if needed > self.pages.num_free:
-                break
-            self.waiting.popleft()
-            request.page_table = self.pages.allocate(needed)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            del self.waiting[position]
+            self._admit(request, hit, needed)
+            count = int(min(request.num_tokens - request.num_computed_tokens, budget))
             planned.append((request, count))
             budget -= count
 
@@ -181,9 +210,11 @@ class Scheduler:
         return ScheduledBatch(sequences=work, mode=mode, preempted_ids=preempted)
 
     def update(self, batch: ScheduledBatch, results: list[SequenceResult],
-               prompt_logprobs: Mapping[int, list[PromptLogprob]] | None = None) -> list[RequestOutput]:
+               prompt_logprobs: Mapping[int, list[PromptLogprob]] | None = None,
+               reusable_tokens: Mapping[int, int] | None = None) -> list[RequestOutput]:
         """Apply a step's results: advance computed tokens, append new ones, finish.
-        `prompt_logprobs`: the prompt tokens each sequence (by batch index) scored.
+        `prompt_logprobs`: the prompt tokens each sequence (by batch index) scored;
+        `reusable_tokens`: where a sequence's engine state lags its computed tokens (StepResults).
 
         Tokens are appended one at a time so that a stop rule met inside a speculative run
         cuts it exactly there.
@@ -195,14 +226,20 @@ class Scheduler:
             request = self._requests.get(work.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted after scheduling: its result is void
+            request.admitted = False
             scored = (prompt_logprobs or {}).get(index)
             if scored:
                 request.pending_prompt_logprobs += scored
                 request.next_prompt_logprob += len(scored)
             if result is None:
                 request.num_computed_tokens += len(work.token_ids)
+            else:
+                request.num_computed_tokens = work.num_cached + result.num_computed
+            request.num_reusable_tokens = min(request.num_computed_tokens,
+                                              (reusable_tokens or {}).get(index, request.num_computed_tokens))
+            if result is None:
+                self._cache_completed_pages(request)
                 continue
-            request.num_computed_tokens = work.num_cached + result.num_computed
             request.num_verify_passes += int(result.verified)
             appended, reason = [], None
             if request.params.max_tokens == 0:  # scoring only: the prompt is computed, nothing is generated
@@ -218,6 +255,7 @@ class Scheduler:
                 self._finish(request, reason)
             else:
                 self._trim_pages(request)
+                self._cache_completed_pages(request)
             outputs.append(_output(request, appended, result.logprobs[: len(appended)]))
         return outputs
 
@@ -239,6 +277,7 @@ class Scheduler:
             suppressed_token_ids=request.suppressed_token_ids(),
             lookahead=lookahead,
             prompt_logprob_tokens=request.prompt_logprob_tokens(),
+            admitted=request.admitted,
         )
 
     def _grant_lookahead(self, request: Request, lookahead: int) -> int:
@@ -248,10 +287,10 @@ class Scheduler:
         if not lookahead or end > request.max_context_len:
             return 0
         needed = self._pages_for(end) - len(request.page_table)
-        if needed > self.pages.num_free:
+        if needed > self.num_available_pages:
             return 0
         if needed > 0:
-            request.page_table.extend(self.pages.allocate(needed))
+            request.page_table.extend(self._allocate(needed))
         return lookahead
 
     def _trim_pages(self, request: Request) -> None:
@@ -260,6 +299,76 @@ class Scheduler:
         if len(request.page_table) > keep:
             self.pages.free(request.page_table[keep:])
             del request.page_table[keep:]
+
+    def _allocate(self, count: int) -> list[int]:
+        """`count` pages, evicting unused cached ones if the free list is short."""
+        self.reclaim(count)
+        return self.pages.allocate(count)
+
+    def _release_pages(self, request: Request) -> None:
+        """The request lets go of its pages (leaving what it completed in the cache)."""
+        self._cache_completed_pages(request)
+        self._release_cache_lock(request)
+        if request.page_table:
+            self.pages.free(request.page_table)
+            request.page_table = []
+
+    # ---- the prefix cache --------------------------------------------------------------
+    def _lock_cached_prefix(self, request: Request) -> list[int]:
+        """Pages of the request's longest cached prefix, locked for it (none without a cache)."""
+        if self.cache is None:
+            return []
+        nodes = self.cache.match(request.all_token_ids, request.cacheable_limit())
+        if nodes:
+            request.cache_node = nodes[-1]
+            self.cache.lock(nodes[-1])
+        return [node.page for node in nodes]
+
+    def _release_cache_lock(self, request: Request) -> None:
+        if request.cache_node is not None:
+            self.cache.unlock(request.cache_node)
+            request.cache_node = None
+
+    def _admit(self, request: Request, hit: list[int], needed: int) -> None:
+        """Running, with the cached pages `hit` and `needed` new ones for the rest of its tokens."""
+        self.pages.share(hit)
+        request.page_table = hit + self._allocate(needed)
+        request.num_computed_tokens = request.num_reusable_tokens = len(hit) * self.page_size
+        if self.cache is not None:
+            self.cache.record_lookup(request.num_tokens, request.num_computed_tokens)
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = request.num_computed_tokens
+        request.admitted = True
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _cache_completed_pages(self, request: Request) -> None:
+        """Put the request's completed full pages in the cache and lock its path to them."""
+        if self.cache is None or not request.page_table:
+            return
+        complete = min(request.num_reusable_tokens, request.num_tokens - 1)  # a page's key takes the next token
+        start = request.cache_node
+        if complete // self.page_size <= (start.depth if start is not None else 0):
+            return  # no page completed since the last time
+        node = self.cache.insert(request.all_token_ids, request.page_table, complete, start)
+        if node is not request.cache_node and node is not self.cache.root:
+            self.cache.lock(node)
+            self._release_cache_lock(request)
+            request.cache_node = node
+
+    def _shares_prefix_in_flight(self, request: Request) -> bool:
+        """Whether a running request is computing pages `request` would find cached once
+        they are done (more than the cache holds for it now)."""
+        if self.cache is None:
+            return False
+        tokens, size = request.all_token_ids, self.page_size
+        for other in self.running:
+            if other.num_reusable_tokens >= len(other.prompt_token_ids):
+                continue  # past its prefill: what it completed is cached already
+            shared = _shared_pages(tokens, other.prompt_token_ids, size, request.cacheable_limit())
+            if shared * size > other.num_reusable_tokens and shared > len(self.cache.match(tokens, shared * size)):
+                return True
+        return False
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -271,9 +380,9 @@ class Scheduler:
         """
         while True:
             needed = self._pages_for(total_tokens) - len(request.page_table)
-            if needed <= self.pages.num_free:
+            if needed <= self.num_available_pages:
                 if needed > 0:
-                    request.page_table.extend(self.pages.allocate(needed))
+                    request.page_table.extend(self._allocate(needed))
                 return True
             victim = self.running[-1]
             self._preempt(victim)
@@ -283,20 +392,27 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.pages.free(request.page_table)
-        request.page_table = []
+        self._release_pages(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        if request.page_table:
-            self.pages.free(request.page_table)
-            request.page_table = []
+        self._release_pages(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]
+
+
+def _shared_pages(tokens: list[int], other: list[int], size: int, limit: int) -> int:
+    """Full pages `tokens` shares with `other` (keys included), within `limit` tokens."""
+    shared = 0
+    end = size
+    while end <= limit and end < len(other) and tokens[end - size : end + 1] == other[end - size : end + 1]:
+        shared += 1
+        end += size
+    return shared
 
 
 def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestOutput:
@@ -310,4 +426,5 @@ def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestO
         new_logprobs=logprobs,
         new_prompt_logprobs=scored,
         spec_verify_ct=request.num_verify_passes,
+        num_cached_tokens=request.num_cached_prompt_tokens,
     )

@@ -12,6 +12,7 @@ from eaglesrv.server.formatting import (
     SSE_DONE,
     SSEResponse,
     TokenText,
+    cached_prompt_tokens,
     chat_logprobs,
     new_id,
     now_s,
@@ -112,13 +113,16 @@ class ChatHandler:
         ]
         return JSONResponse({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": choices, "usage": usage(len(self.prompt_ids), sum(r.num_output_tokens for r in results)),
+            "choices": choices,
+            "usage": usage(len(self.prompt_ids), sum(r.num_output_tokens for r in results),
+                           cached_prompt_tokens({r.index: r.num_cached_tokens for r in results}, self.body.n)),
             **self._prompt_logprobs(results[0].prompt_logprobs),
         })
 
     async def _stream(self) -> AsyncIterator[str]:
         include_usage = self.body.include_usage
         completion_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         try:
             for i in range(self.body.n):
                 yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -129,6 +133,7 @@ class ChatHandler:
                         yield self._chunk({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": None},
                                           self._prompt_logprobs(d.prompt_logprobs))
                     completion_tokens[d.index] = d.num_output_tokens
+                    cached_tokens[d.index] = d.num_cached_tokens
                     has_logprobs = self.top_n is not None and d.logprobs
                     if not (d.text or has_logprobs or d.finish_reason):
                         continue  # text held back (partial character or possible stop string)
@@ -140,7 +145,8 @@ class ChatHandler:
                     })
             if include_usage:
                 yield sse({**self._envelope(), "choices": [],
-                           "usage": usage(len(self.prompt_ids), sum(completion_tokens.values()))})
+                           "usage": usage(len(self.prompt_ids), sum(completion_tokens.values()),
+                                          cached_prompt_tokens(cached_tokens, self.body.n))})
         except STREAM_FAILURES as exc:
             yield stream_error(exc)
         yield SSE_DONE

@@ -12,6 +12,7 @@ from eaglesrv.server.formatting import (
     SSE_DONE,
     SSEResponse,
     TokenText,
+    cached_prompt_tokens,
     completion_logprobs,
     echoed_prompt_logprobs,
     joined_logprobs,
@@ -157,11 +158,14 @@ class CompletionHandler:
             choices.append({**choice, **prompt})
         return JSONResponse({
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-            "choices": choices, "usage": usage(self._prompt_tokens, sum(r.num_output_tokens for r in results)),
+            "choices": choices,
+            "usage": usage(self._prompt_tokens, sum(r.num_output_tokens for r in results),
+                           cached_prompt_tokens({r.index: r.num_cached_tokens for r in results}, self.body.n)),
         })
 
     async def _stream(self) -> AsyncIterator[str]:
         completion_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         offsets = {i: len(self._prompt_text(i)) for i in range(self.num_choices)}
         scores_prompt = self.body.prompt_scores is not None
         try:
@@ -175,6 +179,7 @@ class CompletionHandler:
                         yield self._chunk({"index": d.index, "text": self._prompt_text(d.index), "logprobs": None,
                                            "finish_reason": None, **self._prompt_fields(d.index, d.prompt_logprobs)})
                     completion_tokens[d.index] = d.num_output_tokens
+                    cached_tokens[d.index] = d.num_cached_tokens
                     has_logprobs = self.body.logprobs is not None and d.logprobs
                     if not (d.text or has_logprobs or d.finish_reason):
                         continue  # text held back (partial character or possible stop string)
@@ -186,7 +191,8 @@ class CompletionHandler:
                     offsets[d.index] += len(d.text)
             if self.body.include_usage:
                 yield sse({**self._envelope(), "choices": [],
-                           "usage": usage(self._prompt_tokens, sum(completion_tokens.values()))})
+                           "usage": usage(self._prompt_tokens, sum(completion_tokens.values()),
+                                          cached_prompt_tokens(cached_tokens, self.body.n))})
         except STREAM_FAILURES as exc:
             yield stream_error(exc)
         yield SSE_DONE

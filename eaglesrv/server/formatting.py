@@ -57,9 +57,18 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache supplied."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_prompt_tokens(cached_by_choice: dict[int, int], n: int) -> int:
+    """Cached prompt tokens over the prompts of a request with `n` choices per prompt
+    (choice p * n + i samples prompt p), counted once per prompt, as its tokens are: each
+    prompt's first choice."""
+    return sum(cached for index, cached in cached_by_choice.items() if index % n == 0)
 
 
 class TokenText:

@@ -40,6 +40,7 @@ class ChoiceDelta:
     matched_stop: str | int | None = None  # the stop string or stop token id that ended it
     spec_verify_ct: int = 0  # speculative verifications so far
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # the scored prompt, in the first delta
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ChoiceResult:
     matched_stop: str | int | None = None
     spec_verify_ct: int = 0
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
@@ -67,6 +69,7 @@ class ChoiceResult:
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.matched_stop = delta.matched_stop if delta.matched_stop is not None else self.matched_stop
         self.spec_verify_ct = delta.spec_verify_ct
+        self.num_cached_tokens = delta.num_cached_tokens
 
 
 async def run_choice(
@@ -95,7 +98,7 @@ async def run_choice(
                     state.metrics.request_finished(reason, num_prompt, now - started)
                 yield ChoiceDelta(index, piece, list(out.new_token_ids), list(out.new_logprobs), num_prompt,
                                   out.num_output_tokens, reason, matched, out.spec_verify_ct,
-                                  list(out.new_prompt_logprobs))
+                                  list(out.new_prompt_logprobs), out.num_cached_tokens)
                 if reason is not None:
                     return  # after a stop string, leaving the stream aborts the engine request
     finally:

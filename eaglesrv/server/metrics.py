@@ -42,7 +42,13 @@ class ServerMetrics:
         self.kv_pages_used = gauge("eaglesrv:kv_pages_used", "KV-cache pages in use.")
         self.kv_pages_free = gauge("eaglesrv:kv_pages_free", "KV-cache pages free.")
         self.kv_pages_total = gauge("eaglesrv:kv_pages_total", "KV-cache pages in the pool.")
-        self.token_usage = gauge("eaglesrv:token_usage", "Fraction of the KV pool in use.")
+        self.token_usage = gauge("eaglesrv:token_usage", "Fraction of the KV pool running requests use (cached "
+                                 "pages nobody uses count as free).")
+        self.cached_pages = gauge("eaglesrv:prefix_cache_pages", "KV pages the prefix cache holds (in use or not).")
+        self.cache_hit_rate = gauge("eaglesrv:cache_hit_rate", "Prompt tokens found in the prefix cache, as a "
+                                    "fraction of prompt tokens admitted.")
+        self.cache_hit_tokens = gauge("eaglesrv:prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.")
+        self.cache_evicted = gauge("eaglesrv:prefix_cache_evicted_pages", "Cached pages evicted to make room.")
         self.ttft = histogram("eaglesrv:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("eaglesrv:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("eaglesrv:e2e_request_latency_seconds", "Request latency, arrival to last token.",
@@ -61,7 +67,12 @@ class ServerMetrics:
         self.kv_pages_used.set(stats.kv_pages_used)
         self.kv_pages_free.set(stats.kv_pages_free)
         self.kv_pages_total.set(stats.kv_pages_total)
-        self.token_usage.set(stats.kv_pages_used / max(stats.kv_pages_total, 1))
+        self.token_usage.set(stats.token_usage)
+        cache = stats.prefix_cache
+        self.cached_pages.set(cache.get("prefix_cache_pages", 0))
+        self.cache_hit_rate.set(cache.get("prefix_cache_hit_rate", 0.0))
+        self.cache_hit_tokens.set(cache.get("prefix_cache_hit_tokens", 0))
+        self.cache_evicted.set(cache.get("prefix_cache_evicted_pages", 0))
         self._speculation.snapshot = stats.speculation
 
     def render(self) -> bytes:

@@ -105,7 +105,8 @@ def native_router(state: ServerState) -> APIRouter:
             "kv_pages_free": stats.kv_pages_free,
             "kv_pages_total": stats.kv_pages_total,
             "page_size": stats.page_size,
-            "token_usage": stats.kv_pages_used / max(stats.kv_pages_total, 1),
+            "token_usage": stats.token_usage,
+            **stats.prefix_cache,
         }
         return JSONResponse({
             **_flag_values(state), "served_model_name": info.model_name, "context_length": info.max_context_len,
@@ -121,8 +122,13 @@ def native_router(state: ServerState) -> APIRouter:
 
     @router.post("/flush_cache")
     async def flush_cache() -> Response:
-        # No prefix cache yet, so there is nothing to flush; answered for bench_serving.
-        return Response("Cache flushed.\n", media_type="text/plain")
+        # Pages running requests use stay; every other cached page is freed (SGLang refuses
+        # the whole flush while requests run, which bench_serving's warm-up never meets).
+        state.require_serving()
+        stats = await state.client.stats(flush_cache=True)
+        kept = stats.prefix_cache.get("prefix_cache_pages", 0)
+        note = f" {kept} pages kept for running requests." if kept else ""
+        return Response(f"Cache flushed.{note}\n", media_type="text/plain")
 
     return router
 
@@ -228,7 +234,7 @@ class GenerateHandler:
             "finish_reason": _finish_reason(r),
             "prompt_tokens": r.num_prompt_tokens,
             "completion_tokens": r.num_output_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": r.num_cached_tokens,
             "e2e_latency": time.monotonic() - self.started,
             "spec_verify_ct": r.spec_verify_ct,
         }

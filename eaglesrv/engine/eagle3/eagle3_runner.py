@@ -14,6 +14,11 @@ Per step, for the batch the scheduler chose:
               draft position i reads (token i + 1, target features at i). Its last
               output is the root state the next step drafts from.
 
+Prefix caching: every step reports how far each request's draft KV reaches
+(StepResults.reusable_tokens), and only pages whose draft KV is written enter the cache.
+A request that hits the cache starts with the draft KV of the cached positions; the key of
+a cached page includes the token after it, which the draft's last position there read.
+
 Slots of a decoding request at root position n (pages reserved by the scheduler):
 
     target: n = root, n+1 .. n+N-1 = tree nodes in node order (verified, then compacted)
@@ -22,9 +27,11 @@ Slots of a decoding request at root position n (pages reserved by the scheduler)
 
 Adaptive (`adaptive` given, the default): each step's shape and the requests that use it
 come from the policy (adaptive/policy.py). Static (--disable-speculative-adaptive): every
-step uses the configured tree for every request that may speculate. A request that does not speculate skips steps 1 and
-5: its features wait in the backlog, and one draft extend over them (step 0, catch-up)
-precedes its next tree, so the draft sees every token exactly as in the static mode.
+step uses the configured tree for every request that may speculate. A request that decodes
+without speculating skips steps 1 and 5: its features wait in the backlog, and one draft
+extend over them (step 0, catch-up) precedes its next tree, so the draft sees every token
+exactly as in the static mode. Prefill chunks feed the draft at once: their pages may be
+shared through the prefix cache, which needs their draft KV.
 """
 
 from __future__ import annotations
@@ -144,6 +151,9 @@ class Eagle3Runner(StepRunner):
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResults:
         seqs = batch.sequences
+        for seq in seqs:
+            if seq.admitted:  # its draft KV before num_cached came with a prefix-cache hit, if any
+                self._record(seq.request_id).draft_end = seq.num_cached
         eligible = [i for i, seq in enumerate(seqs) if self._may_speculate(seq)]
         decision = None
         if self.adaptive is None:
@@ -168,7 +178,8 @@ class Eagle3Runner(StepRunner):
         self._extend(seqs, results, offsets, kept_rows, features)
         if decision is not None and all(len(seq.token_ids) == 1 for seq in seqs):  # decode-only steps calibrate
             self.adaptive.observe(decision, time.perf_counter() - started)
-        return StepResults([results[i] for i in range(len(seqs)) if seqs[i].sample], scored)
+        return StepResults([results[i] for i in range(len(seqs)) if seqs[i].sample], scored,
+                           {i: self._record(seq.request_id).draft_end for i, seq in enumerate(seqs)})
 
     def _eager_step(self, shape, seqs, speculating, results, kept_rows, scored) -> tuple[torch.Tensor, list[int]]:
         """Steps 1 to 4 without graphs, for any mix of trees, decodes and prefill chunks:
@@ -369,9 +380,13 @@ class Eagle3Runner(StepRunner):
                 following = results[i].token_ids[0] if seq.sample else seq.next_token_id
                 committed = list(seq.token_ids[1:]) + [following]
                 rows = list(range(offsets[i], offsets[i] + len(seq.token_ids)))
-            if self.adaptive is not None and i not in kept_rows:
-                held.append((seq, committed, rows))
+            if self.adaptive is not None and i not in kept_rows and seq.sample and len(seq.token_ids) == 1:
+                held.append((seq, committed, rows))  # a plain decode: the draft catches up when it speculates
             else:
+                if self.adaptive is not None and i not in kept_rows:
+                    # A prefill chunk. Any backlog is stale: chunks come before the first
+                    # decode, or after a preemption, which restarts the request earlier.
+                    self._record(seq.request_id).backlog = None
                 entries.append(_ExtendEntry(seq, seq.num_cached, committed, rows, keeps_root=seq.sample))
         if held:
             entries += self._hold(held, features)
@@ -410,8 +425,10 @@ class Eagle3Runner(StepRunner):
         else:
             logprobs, hidden = self._eager_extend(tokens, features, starts, tables)
         for entry, lp, h in zip(entries, logprobs, hidden):
+            record = self._record(entry.seq.request_id)
+            record.draft_written(entry.start, len(entry.tokens))
             if entry.keeps_root:
-                self._record(entry.seq.request_id).root = RootState(entry.start + len(entry.tokens), h, lp)
+                record.root = RootState(entry.start + len(entry.tokens), h, lp)
 
     def _eager_extend(self, tokens, features, starts, tables) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probabilities, hidden) of the draft at every entry's last token."""

@@ -30,6 +30,14 @@ class SpecRequestState:
     root: RootState | None = None  # where the next tree grows from, once the draft has seen the prompt
     backlog: Backlog | None = None  # adaptive: committed positions whose features wait for the draft
     acceptance: RequestAcceptance = field(default_factory=RequestAcceptance)  # adaptive: this request's record
+    # Draft KV is written for positions < draft_end (those after it wait in the backlog).
+    # A prefix-cache hit brings the draft KV of the cached positions: it starts at the hit.
+    draft_end: int = 0
+
+    def draft_written(self, start: int, count: int) -> None:
+        """The draft's KV now holds positions start .. start + count - 1."""
+        if start <= self.draft_end:
+            self.draft_end = max(self.draft_end, start + count)
 
     def draft_is_current(self, num_cached: int) -> bool:
         """The draft has seen every committed token: the backlog (adaptive) holds exactly
