@@ -63,6 +63,8 @@ class ClosedLoop:
 
 def run_lockstep(engines: dict[str, Engine], prompts: list[str], params: SamplingParams,
                  concurrency: int) -> dict[str, ClosedLoop]:
+    for engine in engines.values():
+        engine.flush_cache()  # every run starts cold: no run finds the prompts of the one before cached
     loops = {name: ClosedLoop(engine, collections.deque(prompts), params, concurrency)
              for name, engine in engines.items()}
     order, turn = list(loops), 0
@@ -72,6 +74,13 @@ def run_lockstep(engines: dict[str, Engine], prompts: list[str], params: Samplin
                 loops[name].step()
         turn += 1
     return loops
+
+
+def _cache_hits(engines: dict[str, Engine]) -> str:
+    """Prompt tokens found in each engine's prefix cache so far, where it has one."""
+    hits = [f"{name} {engine.scheduler.cache.hit_rate:.1%}" for name, engine in engines.items()
+            if engine.scheduler.cache is not None]
+    return f" (prefix cache hits: {', '.join(hits)})" if hits else ""
 
 
 SPEC_COUNTERS = ("spec_steps_plain", "spec_steps_speculative", "spec_verifications", "spec_accepted_tokens")
@@ -135,7 +144,7 @@ def main() -> None:
                 seconds[name] += loop.seconds
                 tokens[name] += loop.output_tokens
             print(f"  concurrency {concurrency}, run {repeat + 1}: " + ", ".join(
-                f"{name} {loop.seconds:.1f} s" for name, loop in loops.items()), flush=True)
+                f"{name} {loop.seconds:.1f} s" for name, loop in loops.items()) + _cache_hits(engines), flush=True)
         base = tokens[BASELINE] / seconds[BASELINE]
         print(f"concurrency {concurrency}:")
         for name, engine in engines.items():
