@@ -19,8 +19,12 @@ class SamplingParams:
     """How to pick each next token of one request, and when to stop.
 
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1.0 and
-    min_p 0.0 disable theirs. Penalties follow OpenAI: logits -= presence * (count > 0)
-    + frequency * count, counted over generated tokens only.
+    min_p 0.0 disable theirs. Penalties apply in transformers' order: logit_bias is added
+    first (OpenAI's, as transformers' single-token sequence_bias), then repetition_penalty
+    as transformers applies it (each distinct token of the prompt and the output: a
+    negative logit times it, any other divided by it), then OpenAI's presence and
+    frequency penalties, logits -= presence * (count > 0) + frequency * count, counted
+    over generated tokens only.
     """
 
     max_tokens: int | None = 16  # None: until the context is full
@@ -30,6 +34,8 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1.0: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, each id at most once
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -42,6 +48,12 @@ class SamplingParams:
     logprob_start_len: int = 0
 
     def __post_init__(self) -> None:
+        # A dict or a list of pairs becomes a tuple of pairs, so the params stay hashable.
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in pairs))
+        except TypeError:
+            raise InvalidSamplingParams(f"logit_bias must be (token id, bias) pairs, got {pairs!r}") from None
         self.validate()
 
     @property
@@ -50,13 +62,18 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether apply_penalties changes this request's logits. Such requests decode
+        without speculation (Eagle3Runner._may_speculate), which keeps their output exact:
+        verifying a draft path would need each node's own token history for the
+        repetition and count penalties, and the greedy tree walk reads raw logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+        floats = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
         for name in floats:
             if not math.isfinite(getattr(self, name)):
                 raise InvalidSamplingParams(f"{name} must be a finite number, got {getattr(self, name)!r}")
@@ -68,6 +85,7 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0"),
@@ -77,3 +95,23 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise InvalidSamplingParams(f"{name} {rule}, got {getattr(self, name)!r}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        pairs = self.logit_bias
+        well_formed = all(
+            len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+            and isinstance(pair[1], (int, float)) and not isinstance(pair[1], bool)
+            for pair in pairs
+        )
+        if not well_formed:
+            raise InvalidSamplingParams(f"logit_bias must be (token id, bias) pairs, got {pairs!r}")
+        checks = [
+            (all(token >= 0 for token, _ in pairs), "token ids must be >= 0"),
+            (all(math.isfinite(bias) and -100.0 <= bias <= 100.0 for _, bias in pairs),
+             "biases must be finite and in [-100, 100]"),
+            (len({token for token, _ in pairs}) == len(pairs), "must not repeat a token id"),
+        ]
+        for ok, rule in checks:
+            if not ok:
+                raise InvalidSamplingParams(f"logit_bias {rule}, got {pairs!r}")

@@ -50,6 +50,8 @@ class SamplingBatch:
     step_indices: list[int]  # index of the output token being sampled
     # per row, token ids that may not be sampled now (EOS and stop ids before min_tokens)
     suppressed_token_ids: list[tuple[int, ...]] = field(default_factory=list)
+    # per row, the request's prompt (repetition_penalty counts it); empty: no prompt tokens
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, seqs: Sequence[SequenceWork]) -> "SamplingBatch":
@@ -60,6 +62,7 @@ class SamplingBatch:
             seeds=[s.seed for s in seqs],
             step_indices=[len(s.output_token_ids) for s in seqs],
             suppressed_token_ids=[s.suppressed_token_ids for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
         )
 
 
@@ -104,19 +107,64 @@ def request_uniforms(seed: int, step_index: int, n: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 logits [B, V] with OpenAI presence/frequency penalties over generated tokens.
+    """float32 logits [B, V] after suppression and, in transformers' order, logit_bias,
+    repetition_penalty (over prompt and output tokens), then OpenAI's presence and
+    frequency penalties (over output tokens).
 
-    Returns a new tensor when penalties apply (the input is never modified); rows without
-    penalties are left bit-identical.
+    Returns a new tensor when any of them applies (the input is never modified); rows
+    without them are left bit-identical. Token ids past the logits' width are ignored.
     """
     logits = _suppress(logits.float(), batch)
-    rows = [i for i, p in enumerate(batch.params) if p.uses_penalties]
-    if not rows:
+    params = batch.params
+    if any(p.logit_bias for p in params):
+        logits = _add_logit_bias(logits, params)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        logits = _repetition_penalty(logits, batch)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        logits = _presence_frequency_penalties(logits, batch)
+    return logits
+
+
+def _add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits + each row's bias at its token ids (ids are unique per row, so no accumulation)."""
+    vocab = logits.shape[1]
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias if token < vocab]
+    if not entries:
         return logits
+    rows, tokens, biases = zip(*entries)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    return logits.index_put(index, logits[index] + torch.tensor(biases, dtype=torch.float32, device=logits.device))
+
+
+def _repetition_penalty(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """transformers' repetition penalty: for each distinct token of the prompt and the
+    output, a negative logit times the penalty, any other divided by it."""
+    rows = [i for i, p in enumerate(batch.params) if p.repetition_penalty != 1.0]
+    vocab = logits.shape[1]
+    histories = [torch.tensor(_prompt(batch, i) + batch.output_token_ids[i], dtype=torch.long) for i in rows]
+    row_index = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(h) for h in histories]))
+    # Column `vocab` absorbs ids past the logits' width, as transformers does; it is dropped.
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=logits.device)
+    seen[row_index.to(logits.device), torch.cat(histories).clamp(max=vocab).to(logits.device)] = True
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits[index]
+    penalty = _row_tensor([batch.params[i].repetition_penalty for i in rows], logits.device)
+    penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+    return logits.index_copy(0, index, torch.where(seen[:, :vocab], penalized, sub))
+
+
+def _prompt(batch: SamplingBatch, row: int) -> list[int]:
+    return batch.prompt_token_ids[row] if batch.prompt_token_ids else []
+
+
+def _presence_frequency_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """OpenAI's penalties: logits -= presence * (count > 0) + frequency * count, over output
+    tokens (0 - 0 leaves the other rows bit-identical)."""
+    rows = [i for i, p in enumerate(batch.params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
     num_rows, vocab = logits.shape
     flat_index: list[int] = []
     for i in rows:
-        flat_index.extend(i * vocab + t for t in batch.output_token_ids[i])
+        flat_index.extend(i * vocab + t for t in batch.output_token_ids[i] if t < vocab)
     counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=logits.device)
     if flat_index:
         index = torch.tensor(flat_index, dtype=torch.long, device=logits.device)

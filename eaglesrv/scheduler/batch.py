@@ -28,6 +28,7 @@ class SequenceWork:
     params: SamplingParams
     seed: int
     output_token_ids: list[int]  # generated so far, for penalties (read-only)
+    prompt_token_ids: list[int] = field(default_factory=list)  # the prompt, for repetition_penalty (read-only)
     next_token_id: int | None = None  # the known token after this chunk (None when it is to be sampled)
     max_context_len: int = 1 << 30  # positions this sequence may reach
     suppressed_token_ids: tuple[int, ...] = ()  # EOS and stop ids while fewer than min_tokens are out

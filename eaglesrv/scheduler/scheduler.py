@@ -271,6 +271,7 @@ class Scheduler:
             params=request.params,
             seed=request.seed,
             output_token_ids=request.output_token_ids,
+            prompt_token_ids=request.prompt_token_ids,  # by reference: the prompt never changes
             next_token_id=request.token_slice(start + count, start + count + 1)[0]
             if start + count < request.num_tokens else None,
             max_context_len=request.max_context_len,

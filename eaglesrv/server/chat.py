@@ -67,7 +67,7 @@ class ChatHandler:
         check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         state.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        self.prompt_ids = chat_prompt_ids(tokenizer, messages)
+        self.prompt_ids = chat_prompt_ids(tokenizer, messages, body.chat_template_kwargs)
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
         check_logprob_counts(state.server_config, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None

@@ -46,10 +46,11 @@ from eaglesrv.server.request_prep import (
     prompt_list,
 )
 from eaglesrv.server.state import ServerState
+from eaglesrv.server.unsupported import NATIVE_BODY_FIELDS, NATIVE_SAMPLING_FIELDS, refuse_known_unsupported
 
 
 class NativeSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # kept for refuse_known_unsupported
 
     max_new_tokens: int | None = 128  # SGLang's default
     temperature: float | None = None
@@ -58,6 +59,8 @@ class NativeSamplingParams(BaseModel):
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -68,7 +71,7 @@ class NativeSamplingParams(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # lora_path, ... are accepted and unused
+    model_config = ConfigDict(extra="allow")  # kept for refuse_known_unsupported; others are ignored
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -158,6 +161,8 @@ class GenerateHandler:
         param = "text" if body.text is not None else "input_ids"
         check_choices(state.server_config, len(prompts), 1, param=param)
         sp = body.sampling_params
+        refuse_known_unsupported(body, NATIVE_BODY_FIELDS)
+        refuse_known_unsupported(sp, NATIVE_SAMPLING_FIELDS, prefix="sampling_params.")
         self.stop_strings = [] if sp.stop is None else [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
         check_stop_rules(state.server_config, info, self.stop_strings, sp.stop_token_ids, prefix="sampling_params.")
         check_logprob_counts(state.server_config, top_logprobs_num=body.top_logprobs_num)
@@ -172,7 +177,8 @@ class GenerateHandler:
         self.params = build_sampling_params(
             info, max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
             min_p=sp.min_p, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-            seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+            repetition_penalty=sp.repetition_penalty, logit_bias=sp.logit_bias, seed=sp.sampling_seed,
+            stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
             min_tokens=sp.min_new_tokens,
             logprobs=body.top_logprobs_num if body.return_logprob else None,
             prompt_logprobs=body.top_logprobs_num if body.return_logprob else None,

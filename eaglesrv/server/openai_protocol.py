@@ -3,7 +3,8 @@
 Only the request side is modelled: the shapes of responses are built as plain dicts in
 the endpoint modules, next to the code that fills them. Unknown fields are ignored (as
 OpenAI's own server does for forward compatibility); fields we know but cannot honour
-(tools, logit_bias, ...) are refused with 400 by `refuse_unsupported`, never dropped.
+(tools, response_format, vLLM's and SGLang's grammar fields, ...: `unsupported.py`) are
+refused with 400 by `refuse_unsupported`, never dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eaglesrv.server.errors import bad_request
+from eaglesrv.server.unsupported import OPENAI_BODY_FIELDS, refuse_known_unsupported
 
 MAX_N = 128
 
@@ -29,6 +31,8 @@ class StreamOptions(_Request):
 class SamplingFields(_Request):
     """Fields chat and completions share. None means "the default" throughout."""
 
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # kept, so that refuse_unsupported sees them
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -43,10 +47,11 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM, SGLang): over prompt and output tokens
     ignore_eos: bool = False  # extension
     min_tokens: int = Field(0, ge=0)  # extension
     skip_special_tokens: bool = True  # extension
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0)  # extension (vLLM): score the prompt, n alternatives a token
 
@@ -92,6 +97,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, SGLang): the template's own options
 
     @property
     def output_limit(self) -> int | None:
@@ -100,11 +106,12 @@ class ChatCompletionRequest(SamplingFields):
     def refuse_unsupported(self) -> None:
         _refuse_common(self)
         if self.tools:
-            raise bad_request("tools are not supported by this server", param="tools")
+            raise bad_request("tools: tool calling is not supported by this server yet", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by this server", param="tool_choice")
+            raise bad_request("tool_choice: tool calling is not supported by this server yet", param="tool_choice")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+            raise bad_request("response_format: only {'type': 'text'} is supported by this server yet",
+                              param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -138,8 +145,7 @@ class CompletionRequest(SamplingFields):
 
 
 def _refuse_common(request: SamplingFields) -> None:
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+    refuse_known_unsupported(request, OPENAI_BODY_FIELDS)
     if request.output_limit == 0 and request.prompt_scores is None:
         param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) == 0 else "max_tokens"
         raise bad_request(f"{param} must be at least 1 (0 only scores the prompt: with echo and logprobs, or "

@@ -26,6 +26,8 @@ def build_sampling_params(
     min_p: float | None = None,
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: dict[str, float] | None = None,
     seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
@@ -39,7 +41,8 @@ def build_sampling_params(
         top_k = -1  # keeps every token anyway; and a huge int would overflow the sampler's int64 tensors
     given: dict[str, Any] = dict(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+        logit_bias=_token_biases(logit_bias, info.vocab_size) if logit_bias else None,
     )
     values = {name: value for name, value in given.items() if value is not None}
     try:
@@ -52,12 +55,25 @@ def build_sampling_params(
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
+def _token_biases(logit_bias: dict[str, float], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; 400 for a key that is not a token id."""
+    pairs = []
+    for key, bias in logit_bias.items():
+        token_id = int(key) if str(key).strip().lstrip("-").isdigit() else None
+        if token_id is None or not 0 <= token_id < vocab_size:
+            raise bad_request(f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1})",
+                              param="logit_bias")
+        pairs.append((token_id, float(bias)))
+    return tuple(sorted(pairs))
+
+
 def openai_sampling_params(info, body, logprobs: int | None) -> SamplingParams:
     """build_sampling_params from the sampling fields chat and completions share."""
     return build_sampling_params(
         info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        seed=body.seed, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+        repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias, seed=body.seed,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
         min_tokens=body.min_tokens, prompt_logprobs=body.prompt_scores,
     )
 
@@ -133,12 +149,22 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Apply the model's chat template; the template writes the special tokens itself."""
+_TEMPLATE_CALL_ARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "tools",
+                       "documents", "return_dict", "return_tensors", "continue_final_message"}
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]],
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the model's chat template (with the request's chat_template_kwargs, e.g.
+    enable_thinking, passed to it as variables); the template writes the special tokens itself."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+    taken = sorted(set(template_kwargs or {}) & _TEMPLATE_CALL_ARGS)
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a template's own checks (e.g. role order) raise anything
         raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
     return encode_text(tokenizer, text, add_special_tokens=False)

@@ -266,7 +266,7 @@ class Eagle3Runner(StepRunner):
             seq.sample
             and len(seq.token_ids) == 1
             and record is not None and record.draft_is_current(seq.num_cached)
-            and not seq.params.uses_penalties  # penalties would change along a path
+            and not seq.params.uses_penalties  # penalties and logit_bias: see SamplingParams.uses_penalties
             and not seq.suppressed_token_ids  # so would min_tokens' suppression
             and seq.lookahead >= self.decode_lookahead  # the scheduler found slots for the largest tree
         )
