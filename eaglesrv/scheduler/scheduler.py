@@ -6,8 +6,9 @@ Each step, in three passes:
      preempted: its pages are freed and it goes back to the front of the queue, to be
      recomputed later (prompt + tokens generated so far).
   2. lookahead: decoding requests that may speculate get KV slots for a draft tree past
-     their next token, from free pages only. Speculation is optional work: a request that
-     gets none decodes plainly (same output), and nobody is preempted for a draft.
+     their next token, from available pages only (free, or cached for nobody).
+     Speculation is optional work: a request that gets none decodes plainly (same
+     output), and nobody is preempted for a draft.
   3. waiting requests are admitted while the token budget, the running-request cap and
      the free pages allow; an admitted request gets pages for its whole prefill at once,
      so that its later chunks never preempt anyone.
