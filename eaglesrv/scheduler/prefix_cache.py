@@ -20,9 +20,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from eaglesrv.scheduler.page_allocator import PageAllocator
+
+
+def page_keys(tokens: Sequence[int], page_size: int, limit: int, first_page: int = 0) -> Iterator[tuple[int, ...]]:
+    """The keys of the full pages of `tokens` from page `first_page` on, within the first
+    `limit` tokens: each page's tokens and the token after them (a page with no token after
+    it has no key yet)."""
+    end = (first_page + 1) * page_size
+    while end <= limit and end < len(tokens):
+        yield tuple(tokens[end - page_size : end + 1])
+        end += page_size
 
 
 class CacheNode:
@@ -55,14 +65,12 @@ class PrefixCache:
     # ---- lookups --------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int) -> list[CacheNode]:
         """The nodes of the longest cached prefix of `tokens`, at most `limit` tokens long."""
-        size, node, found = self.page_size, self.root, []
-        end = size
-        while end <= limit and end < len(tokens):
-            node = node.children.get(tuple(tokens[end - size : end + 1]))
+        node, found = self.root, []
+        for key in page_keys(tokens, self.page_size, limit):
+            node = node.children.get(key)
             if node is None:
                 break
             found.append(node)
-            end += size
         return found
 
     def record_lookup(self, queried: int, hit: int) -> None:
@@ -100,20 +108,17 @@ class PrefixCache:
 
         A page whose key is cached already keeps the cached page: the request's own copy
         stays its own and is freed with it."""
-        size, node = self.page_size, start or self.root
+        node = start or self.root
         now = next(self._clock)
-        end = (node.depth + 1) * size
-        while end <= num_tokens and end < len(tokens):
-            key = tuple(tokens[end - size : end + 1])
+        for key in page_keys(tokens, self.page_size, num_tokens, first_page=node.depth):
             child = node.children.get(key)
             if child is None:
-                child = node.children[key] = CacheNode(key, page_table[end // size - 1], node)
+                child = node.children[key] = CacheNode(key, page_table[node.depth], node)
                 self.pages.share([child.page])
                 self.num_pages += 1
                 self.num_evictable += 1
             child.last_used = now
             node = child
-            end += size
         return node
 
     def evict(self, count: int) -> int:

@@ -30,6 +30,7 @@ is a bug, not a state to wait out.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from eaglesrv.scheduler.batch import (
     SequenceWork,
 )
 from eaglesrv.scheduler.page_allocator import PageAllocator
-from eaglesrv.scheduler.prefix_cache import PrefixCache
+from eaglesrv.scheduler.prefix_cache import PrefixCache, page_keys
 from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
 
 
@@ -232,10 +233,8 @@ class Scheduler:
             if scored:
                 request.pending_prompt_logprobs += scored
                 request.next_prompt_logprob += len(scored)
-            if result is None:
-                request.num_computed_tokens += len(work.token_ids)
-            else:
-                request.num_computed_tokens = work.num_cached + result.num_computed
+            request.num_computed_tokens = (request.num_computed_tokens + len(work.token_ids) if result is None
+                                           else work.num_cached + result.num_computed)
             request.num_reusable_tokens = min(request.num_computed_tokens,
                                               (reusable_tokens or {}).get(index, request.num_computed_tokens))
             if result is None:
@@ -352,22 +351,21 @@ class Scheduler:
         start = request.cache_node
         if complete // self.page_size <= (start.depth if start is not None else 0):
             return  # no page completed since the last time
-        node = self.cache.insert(request.all_token_ids, request.page_table, complete, start)
-        if node is not request.cache_node and node is not self.cache.root:
-            self.cache.lock(node)
-            self._release_cache_lock(request)
-            request.cache_node = node
+        node = self.cache.insert(request.all_token_ids, request.page_table, complete, start)  # a deeper node
+        self.cache.lock(node)
+        self._release_cache_lock(request)
+        request.cache_node = node
 
     def _shares_prefix_in_flight(self, request: Request) -> bool:
         """Whether a running request is computing pages `request` would find cached once
         they are done (more than the cache holds for it now)."""
         if self.cache is None:
             return False
-        tokens, size = request.all_token_ids, self.page_size
+        tokens, size, limit = request.all_token_ids, self.page_size, request.cacheable_limit()
         for other in self.running:
             if other.num_reusable_tokens >= len(other.prompt_token_ids):
                 continue  # past its prefill: what it completed is cached already
-            shared = _shared_pages(tokens, other.prompt_token_ids, size, request.cacheable_limit())
+            shared = _shared_pages(tokens, other.prompt_token_ids, size, limit)
             if shared * size > other.num_reusable_tokens and shared > len(self.cache.match(tokens, shared * size)):
                 return True
         return False
@@ -408,13 +406,9 @@ class Scheduler:
 
 
 def _shared_pages(tokens: list[int], other: list[int], size: int, limit: int) -> int:
-    """Full pages `tokens` shares with `other` (keys included), within `limit` tokens."""
-    shared = 0
-    end = size
-    while end <= limit and end < len(other) and tokens[end - size : end + 1] == other[end - size : end + 1]:
-        shared += 1
-        end += size
-    return shared
+    """Leading full pages `tokens` shares with `other` (their cache keys equal), within `limit` tokens."""
+    pairs = zip(page_keys(tokens, size, limit), page_keys(other, size, len(other)))
+    return sum(1 for _ in itertools.takewhile(lambda pair: pair[0] == pair[1], pairs))
 
 
 def _output(request: Request, new_tokens: list[int], logprobs: list) -> RequestOutput:
