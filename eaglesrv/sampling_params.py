@@ -46,6 +46,9 @@ class SamplingParams:
     # logprob_start_len.. (token 0 has no logprob). max_tokens 0 then scores without generating.
     prompt_logprobs: int | None = None
     logprob_start_len: int = 0
+    # Structured output: the grammar every output token must follow, in llguidance's
+    # format (built and checked by eaglesrv/grammar/); None: free text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # A dict or a list of pairs becomes a tuple of pairs, so the params stay hashable.
@@ -91,6 +94,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0"),
             (self.logprob_start_len >= 0, "logprob_start_len", "must be >= 0"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (self.grammar is None or (isinstance(self.grammar, str) and self.grammar), "grammar",
+             "must be a non-empty grammar string or None"),
         ]
         for ok, name, rule in checks:
             if not ok:

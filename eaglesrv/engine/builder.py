@@ -29,6 +29,7 @@ from eaglesrv.engine.eagle3.draft_model import Eagle3DraftModel
 from eaglesrv.engine.eagle3.eagle3_runner import Eagle3Runner
 from eaglesrv.engine.eagle3.graphs import Eagle3Graphs
 from eaglesrv.engine.eagle3.head_io import load_draft_head
+from eaglesrv.engine.grammar_masks import GrammarMatchers
 from eaglesrv.engine.graphs.decode_step import DecodeGraphs, decode_graph_bytes
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.loader import resolve_model
@@ -118,6 +119,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
             graph_batch, max_pages)
         runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec,
                               graphs=_captured(graphs, device, "EAGLE-3 tree-step and draft-extend graphs"))
+    eos_token_ids = _eos_ids(arch, source.generation_config, tokenizer)
+    if tokenizer is not None:
+        runner.grammars = GrammarMatchers(tokenizer, arch.vocab_size, eos_token_ids)
     scheduler = Scheduler(config.scheduler, num_pages, page_size, demand=runner,
                           prefix_cache=not config.cache.disable_radix_cache)
     if adaptive:
@@ -134,8 +138,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         "Engine ready: %s, %d layers, %s on %s, context %d, attention %s",
         arch.family, arch.num_layers, dtype, device, max_context_len, attention.name,
     )
-    return EngineParts(device, dtype, arch, model, tokenizer, _eos_ids(arch, source.generation_config, tokenizer),
-                       max_context_len, runner, scheduler)
+    return EngineParts(device, dtype, arch, model, tokenizer, eos_token_ids, max_context_len, runner, scheduler)
 
 
 def _graph_batch_size(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> int | None:

@@ -59,6 +59,10 @@ class Engine:
         """Queue a prompt (text or token ids); returns its request id. Raises ValueError if it can never run."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt)
+        if params.grammar is not None:
+            if self.runner.grammars is None:
+                raise ValueError("this engine has no tokenizer, so it cannot enforce a grammar")
+            self.runner.grammars.check(params.grammar)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,

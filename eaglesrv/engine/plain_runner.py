@@ -11,7 +11,7 @@ import torch
 from eaglesrv.engine.graphs.decode_step import DecodeGraphs
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
-from eaglesrv.engine.sampler import SamplingBatch, sample
+from eaglesrv.engine.sampler import sample
 from eaglesrv.engine.step_runner import StepRunner
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
 from eaglesrv.scheduler.batch import ScheduledBatch, SequenceResult, StepResults
@@ -48,9 +48,8 @@ class PlainRunner(StepRunner):
         logits = self.target.compute_logits(hidden[self._tensor(last_rows)])
         return StepResults(self._sampled([seq for seq in sequences if seq.sample], logits), scored)
 
-    @staticmethod
-    def _sampled(samplers, logits: torch.Tensor) -> list[SequenceResult]:
-        result = sample(logits, SamplingBatch.of(samplers))
+    def _sampled(self, samplers, logits: torch.Tensor) -> list[SequenceResult]:
+        result = sample(logits, self.sampling_batch(samplers))
         return [
             SequenceResult.single(seq, token, logprobs)
             for seq, token, logprobs in zip(samplers, result.token_ids, result.logprobs)

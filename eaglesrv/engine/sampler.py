@@ -5,7 +5,8 @@ Pipeline per step (all vectorized over the batch, computed in float32):
     raw logits --apply_penalties--> penalized --temperature, top-k, top-p, min-p-->
     processed probs --inverse CDF with request_uniforms(seed, step)--> token
 
-Greedy rows (temperature 0 or top_k 1) take argmax of the penalized logits. Logprobs
+Greedy rows (temperature 0 or top_k 1) take argmax of the penalized logits. Tokens a
+row's grammar forbids (SamplingBatch.token_masks) are -inf from the start, like suppressed ones. Logprobs
 are log_softmax of the raw logits (vLLM's default), only for rows that ask.
 
 The pieces are public because EAGLE-3 verification reuses them: it needs the processed
@@ -52,11 +53,14 @@ class SamplingBatch:
     suppressed_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     # per row, the request's prompt (repetition_penalty counts it); empty: no prompt tokens
     prompt_token_ids: list[list[int]] = field(default_factory=list)
+    # row -> bool [V]: the tokens a grammar allows (rows without a grammar are absent)
+    token_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, seqs: Sequence[SequenceWork]) -> "SamplingBatch":
+    def of(cls, seqs: Sequence[SequenceWork], token_masks: dict[int, torch.Tensor] | None = None) -> "SamplingBatch":
         """The sampler's view of sequences that sample this step, one row each."""
         return cls(
+            token_masks=token_masks or {},
             params=[s.params for s in seqs],
             output_token_ids=[s.output_token_ids for s in seqs],
             seeds=[s.seed for s in seqs],
@@ -107,14 +111,14 @@ def request_uniforms(seed: int, step_index: int, n: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 logits [B, V] after suppression and, in transformers' order, logit_bias,
+    """float32 logits [B, V] after suppression and grammar masks and, in transformers' order, logit_bias,
     repetition_penalty (over prompt and output tokens), then OpenAI's presence and
     frequency penalties (over output tokens).
 
     Returns a new tensor when any of them applies (the input is never modified); rows
     without them are left bit-identical. Token ids past the logits' width are ignored.
     """
-    logits = _suppress(logits.float(), batch)
+    logits = _mask_disallowed(_suppress(logits.float(), batch), batch)
     params = batch.params
     if any(p.logit_bias for p in params):
         logits = _add_logit_bias(logits, params)
@@ -173,6 +177,16 @@ def _presence_frequency_penalties(logits: torch.Tensor, batch: SamplingBatch) ->
     presence = _row_tensor([p.presence_penalty for p in batch.params], logits.device)
     frequency = _row_tensor([p.frequency_penalty for p in batch.params], logits.device)
     return logits - (presence * (counts > 0) + frequency * counts)
+
+
+def _mask_disallowed(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """-inf for every token a row's grammar forbids (a copy only when some row has a grammar)."""
+    if not batch.token_masks:
+        return logits
+    rows = list(batch.token_masks)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    allowed = torch.stack([batch.token_masks[row] for row in rows]).to(logits.device)
+    return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
 
 
 def _suppress(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

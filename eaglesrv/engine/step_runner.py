@@ -23,8 +23,10 @@ from typing import Iterable, Sequence
 import torch
 
 from eaglesrv.engine.forward_context import ForwardContext
+from eaglesrv.engine.grammar_masks import GrammarMatchers
 from eaglesrv.engine.kv_cache import KVPool
 from eaglesrv.engine.model.llama import LlamaForCausalLM
+from eaglesrv.engine.sampler import SamplingBatch
 from eaglesrv.kernels.attention.base import AttentionBackend, SequenceSpan
 from eaglesrv.scheduler.batch import PromptLogprob, ScheduledBatch, SequenceWork, StepResults
 
@@ -40,6 +42,9 @@ class StepRunner(abc.ABC):
         self.kv = kv
         self.attention = attention
         self.device = device
+        # Structured output: the grammar state of each request that has one (None: the
+        # engine has no tokenizer, so it takes no grammars). Set by the builder.
+        self.grammars: GrammarMatchers | None = None
 
     # ---- what the scheduler asks (DecodeDemand) ---------------------------------------
     @property
@@ -60,6 +65,13 @@ class StepRunner(abc.ABC):
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop what the runner keeps for these requests (they finished or were aborted)."""
+        if self.grammars is not None:
+            self.grammars.release(request_ids)
+
+    def sampling_batch(self, seqs: Sequence[SequenceWork]) -> SamplingBatch:
+        """The sampler's view of `seqs`, with the tokens each one's grammar allows now."""
+        masks = self.grammars.allowed_now(seqs) if self.grammars is not None else {}
+        return SamplingBatch.of(seqs, masks)
 
     def spec_stats(self) -> dict | None:
         """Speculation counters for /metrics and /get_server_info; None without speculation."""

@@ -26,6 +26,9 @@ from eaglesrv.engine.tree_shape import TreeShape
 
 # (pass f, scratch masks [B, topk, f * topk]) -> how pass f attends over the draft's KV
 PassContext = Callable[[int, torch.Tensor], ForwardContext]
+# (log-probabilities [B, m, draft_vocab] at m nodes per tree, each node's path of target
+# ids past the root [B][m]) -> the log-probabilities a grammar leaves, renormalized
+Constraint = Callable[[torch.Tensor, list[list[list[int]]]], torch.Tensor]
 
 
 def grow_trees(
@@ -36,10 +39,15 @@ def grow_trees(
     root_hidden: torch.Tensor,  # [B, H] the draft's pre-norm output at the roots
     num_cached: torch.Tensor,  # [B] the root positions
     context: PassContext,
+    constraint: Constraint | None = None,
 ) -> DraftTree:
+    """The trees; with a `constraint` (structured output, eager steps only: it reads the
+    frontier back to the host) every expansion proposes only what the grammar allows."""
     batch, k = root_tokens.shape[0], shape.topk
     device = root_tokens.device
     builder = TreeBuilder(root_tokens, k, shape.nodes)
+    if constraint is not None:
+        root_logprobs = constraint(root_logprobs[:, None], [[[]] for _ in range(batch)])[:, 0]
     frontier = builder.expand_root(root_logprobs)
     features = root_hidden[:, None].expand(-1, k, -1)  # [B, k, H] the parent's output for each node
     own_slot = torch.arange(k, device=device).expand(batch, k)[..., None]
@@ -48,7 +56,10 @@ def grow_trees(
         positions = (num_cached.long()[:, None] + f - 1).expand(batch, k).reshape(-1)
         input_ids = draft.draft_to_target[frontier].reshape(-1)
         logits, out = draft(input_ids, features.reshape(batch * k, -1), positions, context(f, scratch_masks(ancestry)))
-        frontier, parent_slot = builder.expand(torch.log_softmax(logits, dim=-1).view(batch, k, -1))
+        logprobs = torch.log_softmax(logits, dim=-1).view(batch, k, -1)
+        if constraint is not None:
+            logprobs = constraint(logprobs, builder.frontier_paths(draft.draft_to_target))
+        frontier, parent_slot = builder.expand(logprobs)
         width = out.shape[-1]
         features = out.view(batch, k, width).gather(1, parent_slot[..., None].expand(-1, -1, width))
         ancestry = torch.cat([ancestry.gather(1, parent_slot[..., None].expand(-1, -1, f)), own_slot], dim=-1)

@@ -116,6 +116,8 @@ class Eagle3Runner(StepRunner):
         return last.shape.nodes if last is not None and last.shape is not None else 1
 
     def release(self, request_ids: Iterable[str]) -> None:
+        request_ids = list(request_ids)
+        super().release(request_ids)
         for request_id in request_ids:
             self.requests.pop(request_id, None)
 
@@ -210,7 +212,7 @@ class Eagle3Runner(StepRunner):
         if plain:
             last = [offsets[i] + len(seqs[i].token_ids) - 1 for i in plain]
             logits = self.target.compute_logits(hidden[self._tensor(last)])
-            sampled = sample(logits, SamplingBatch.of([seqs[i] for i in plain]))
+            sampled = sample(logits, self.sampling_batch([seqs[i] for i in plain]))
             for i, token, logprobs in zip(plain, sampled.token_ids, sampled.logprobs):
                 results[i] = SequenceResult.single(seqs[i], token, logprobs)
         if tree_row:
@@ -223,7 +225,7 @@ class Eagle3Runner(StepRunner):
     def _graphed_plain_step(self, seqs, results) -> tuple[torch.Tensor, list[int]]:
         """Steps 2 and 3 for a decode-only batch in which no request speculates."""
         logits, features = self.graphs.plain.logits_and_features(seqs)
-        sampled = sample(logits, SamplingBatch.of(seqs))
+        sampled = sample(logits, self.sampling_batch(seqs))
         for i, (token, logprobs) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
             results[i] = SequenceResult.single(seqs[i], token, logprobs)
         return features, list(range(len(seqs)))
@@ -300,7 +302,28 @@ class Eagle3Runner(StepRunner):
 
         self.stats.draft_passes += shape.steps - 1
         return grow_trees(self.draft, shape, self._tensor([seq.token_ids[0] for seq in seqs]),
-                          *self._root_states(seqs), self._tensor([seq.num_cached for seq in seqs]), context)
+                          *self._root_states(seqs), self._tensor([seq.num_cached for seq in seqs]), context,
+                          self._grammar_constraint(seqs))
+
+    def _grammar_constraint(self, seqs: list[SequenceWork]):
+        """The draft's proposals masked by each request's grammar along the node's path (None
+        without grammars). Acceptance does not depend on it (verification masks the target),
+        but a draft that proposes forbidden tokens wastes its tree on them."""
+        rows = [b for b, seq in enumerate(seqs) if seq.params.grammar]
+        if not rows or self.grammars is None:
+            return None
+        to_target = self.draft.draft_to_target.cpu()
+
+        def constrain(logprobs: torch.Tensor, paths: list[list[list[int]]]) -> torch.Tensor:
+            constrained = logprobs.clone()
+            for b in rows:
+                allowed = self.grammars.path_masks(seqs[b], paths[b])[:, to_target].to(logprobs.device)
+                masked = torch.log_softmax(logprobs[b].masked_fill(~allowed, float("-inf")), dim=-1)
+                # a node after which the draft's vocabulary has nothing allowed keeps its own guesses
+                constrained[b] = torch.where(allowed.any(-1, keepdim=True), masked, logprobs[b])
+            return constrained
+
+        return constrain
 
     def _root_states(self, seqs: list[SequenceWork]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's log-probabilities [B, draft_vocab] and hidden states [B, H] at the roots."""
@@ -314,11 +337,12 @@ class Eagle3Runner(StepRunner):
         Greedy trees are walked on the device in one batched op, sampled ones on the host."""
         n = trees.num_nodes
         order = list(tree_row)  # sequence indices, in tree-row order
-        acceptances = self._accept_greedy_trees(shape, trees, logits, [seqs[i].params.greedy for i in order])
+        allowed = self._grammar_masked(trees, [seqs[i] for i in order], logits)  # logprobs stay raw
+        acceptances = self._accept_greedy_trees(shape, trees, allowed, [seqs[i].params.greedy for i in order])
         sampling = [b for b, i in enumerate(order) if not seqs[i].params.greedy]
         probs = {}
         if sampling:
-            flat = logits[sampling].reshape(len(sampling) * n, -1)
+            flat = allowed[sampling].reshape(len(sampling) * n, -1)
             expanded = [seqs[order[b]] for b in sampling for _ in range(n)]
             probs = dict(zip(
                 sampling, processed_probs(flat, SamplingBatch.of(expanded)).view(len(sampling), n, -1).cpu()))
@@ -342,6 +366,20 @@ class Eagle3Runner(StepRunner):
             results[i] = SequenceResult(tokens, len(chooser), [lp for lp in logprobs if lp is not None], True)
             kept_rows[i] = [offsets[i] + node for node in chooser]
         self._compact([seqs[i] for i in order], [acceptances[b] for b in range(len(order))], shape.steps)
+
+    def _grammar_masked(self, trees: DraftTree, seqs: list[SequenceWork], logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits [trees, nodes, vocab] with -inf wherever a tree's grammar
+        forbids the token after the node's path (a copy only when some tree has a grammar):
+        acceptance then walks the masked distribution, exactly what plain decoding samples."""
+        rows = [b for b, seq in enumerate(seqs) if seq.params.grammar]
+        if not rows or self.grammars is None:
+            return logits
+        masked = logits.clone()
+        tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
+        for b in rows:
+            allowed = self.grammars.tree_masks(seqs[b], tokens[b], parents[b]).to(logits.device)
+            masked[b].masked_fill_(~allowed, float("-inf"))
+        return masked
 
     def _accept_greedy_trees(self, shape, trees: DraftTree, logits, greedy: list[bool]) -> dict[int, Acceptance]:
         """Tree row -> acceptance for the greedy rows (kernels/eagle3/acceptance.py), read

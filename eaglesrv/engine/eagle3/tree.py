@@ -104,6 +104,22 @@ class TreeBuilder:
         tokens = self._add(scores, child_tokens.reshape(batch, -1), parents, ranks, keep=order)
         return tokens, order // self.topk
 
+    def frontier_paths(self, draft_to_target: torch.Tensor) -> list[list[list[int]]]:
+        """Each frontier node's tokens from the root's child down to itself, as target ids
+        [B][topk], on the host (for grammars; the rest of the builder never syncs)."""
+        tokens = draft_to_target[torch.cat(self._tokens, dim=1)].tolist()
+        parents = torch.cat(self._parents, dim=1).tolist()
+        paths = []
+        for row, frontier in enumerate(self.frontier_pool_index.tolist()):
+            paths.append([])
+            for entry in frontier:
+                path = []
+                while entry >= 0:
+                    path.append(tokens[row][entry])
+                    entry = parents[row][entry]
+                paths[-1].append(path[::-1])
+        return paths
+
     def finish(self, draft_to_target: torch.Tensor) -> DraftTree:
         """The root plus the best num_draft_tokens - 1 pool entries. A chosen node's parent
         is always chosen (a child never scores above its parent and ties go to the earlier
