@@ -62,6 +62,7 @@ class GrammarMatchers:
         self.tokenizer = tokenizer  # a transformers fast tokenizer
         self.vocab_size = vocab_size  # the width of the logits the masks apply to
         self.eos_token_ids = sorted(eos_token_ids)
+        self._eos = frozenset(eos_token_ids)
         self._lltokenizer = None  # built at the first grammar (about 0.4 s for a 49k vocabulary)
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher, LRU
         self._requests: dict[str, _RequestMatcher] = {}
@@ -145,7 +146,8 @@ class GrammarMatchers:
     def tree_masks(self, seq, node_tokens: list[int], parents: list[int]) -> torch.Tensor:
         """bool [nodes, vocab]: row i allows what the grammar allows after the path root .. i
         (the root token is the last committed one). A node whose own token the grammar
-        forbids can never be accepted; its subtree's rows are left all-allowed."""
+        forbids can never be accepted, and nothing after an EOS node is kept: their
+        subtrees' rows are left all-allowed."""
         matcher = self._synced(seq)
         children: list[list[int]] = [[] for _ in node_tokens]
         for node, parent in enumerate(parents):
@@ -158,7 +160,7 @@ class GrammarMatchers:
             node, leaving = stack.pop()
             if leaving:
                 matcher.rollback(1)
-            elif self._allows(bitmask[parents[node]], node_tokens[node]) and matcher.consume_token(node_tokens[node]):
+            elif self._descends(bitmask[parents[node]], node_tokens[node]) and matcher.consume_token(node_tokens[node]):
                 self._fill(matcher, bitmask, node)
                 stack.append((node, True))
                 stack += [(child, False) for child in reversed(children[node])]
@@ -170,7 +172,8 @@ class GrammarMatchers:
         matcher = self._synced(seq)
         bitmask = torch.full((len(paths), self._words), -1, dtype=torch.int32)
         for row, path in enumerate(paths):
-            if matcher.validate_tokens(path) == len(path) and matcher.consume_tokens(path):
+            valid = self._eos.isdisjoint(path) and matcher.validate_tokens(path) == len(path)
+            if valid and matcher.consume_tokens(path):
                 self._fill(matcher, bitmask, row)
                 matcher.rollback(len(path))
         return self._unpack(bitmask)
@@ -191,8 +194,12 @@ class GrammarMatchers:
         llguidance.torch.fill_next_token_bitmask(matcher, self._scratch, 0)
         bitmask[row] = self._scratch[0, : self._words]
 
-    def _allows(self, words: torch.Tensor, token: int) -> bool:
-        return token < self.vocab_size and bool((int(words[token // 32]) >> (token % 32)) & 1)
+    def _descends(self, words: torch.Tensor, token: int) -> bool:
+        """Whether the tree walk enters a node with this token: the parent's mask allows
+        it, and it is not EOS (the request ends there; and a stopped matcher takes EOS
+        again without recording it, so rolling it back would undo a real token)."""
+        return (token < self.vocab_size and token not in self._eos
+                and bool((int(words[token // 32]) >> (token % 32)) & 1))
 
     def _unpack(self, bitmask: torch.Tensor) -> torch.Tensor:
         """int32 [rows, words] bitmask -> bool [rows, vocab]."""

@@ -41,6 +41,7 @@ from eaglesrv.server.request_prep import (
     with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
+from eaglesrv.server.structured import openai_grammar
 
 
 def chat_router(state: ServerState) -> APIRouter:
@@ -71,7 +72,7 @@ class ChatHandler:
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
         check_logprob_counts(state.server_config, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
-        self.params = openai_sampling_params(info, body, self.top_n)
+        self.params = openai_sampling_params(info, body, self.top_n, openai_grammar(body, state))
         self.state = state
         self.body = body
         self.id = new_id("chatcmpl")

@@ -44,6 +44,7 @@ from eaglesrv.server.request_prep import (
     with_choice_seed,
 )
 from eaglesrv.server.state import ServerState
+from eaglesrv.server.structured import openai_grammar
 
 
 def completions_router(state: ServerState) -> APIRouter:
@@ -75,7 +76,7 @@ class CompletionHandler:
         self.prompts = completion_prompts(prompts, state)
         for prompt_ids in self.prompts:
             check_prompt(prompt_ids, info, body.output_limit, param="prompt")
-        self.params = openai_sampling_params(info, body, body.logprobs)
+        self.params = openai_sampling_params(info, body, body.logprobs, openai_grammar(body, state))
         self.echo_logprobs = body.echo and body.logprobs is not None  # the echoed prompt's logprobs too
         self.state = state
         self.body = body

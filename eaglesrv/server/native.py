@@ -46,6 +46,7 @@ from eaglesrv.server.request_prep import (
     prompt_list,
 )
 from eaglesrv.server.state import ServerState
+from eaglesrv.server.structured import native_grammar
 from eaglesrv.server.unsupported import NATIVE_BODY_FIELDS, NATIVE_SAMPLING_FIELDS, refuse_known_unsupported
 
 
@@ -182,6 +183,7 @@ class GenerateHandler:
             min_tokens=sp.min_new_tokens,
             logprobs=body.top_logprobs_num if body.return_logprob else None,
             prompt_logprobs=body.top_logprobs_num if body.return_logprob else None,
+            grammar=native_grammar(sp, state),
         )
         self.starts = starts
         self.token_text = TokenText(state.tokenizer)

@@ -3,7 +3,7 @@
 Only the request side is modelled: the shapes of responses are built as plain dicts in
 the endpoint modules, next to the code that fills them. Unknown fields are ignored (as
 OpenAI's own server does for forward compatibility); fields we know but cannot honour
-(tools, response_format, vLLM's and SGLang's grammar fields, ...: `unsupported.py`) are
+(`unsupported.py`) are
 refused with 400 by `refuse_unsupported`, never dropped.
 """
 
@@ -109,9 +109,6 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("tools: tool calling is not supported by this server yet", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice: tool calling is not supported by this server yet", param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("response_format: only {'type': 'text'} is supported by this server yet",
-                              param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -125,6 +122,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # extension (vLLM): JSON mode and schemas on completions
 
     @property
     def output_limit(self) -> int | None:

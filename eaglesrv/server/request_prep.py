@@ -35,6 +35,7 @@ def build_sampling_params(
     min_tokens: int = 0,
     prompt_logprobs: int | None = None,
     logprob_start_len: int = 0,
+    grammar: str | None = None,
 ) -> SamplingParams:
     """SamplingParams with None meaning "the default"; 400 naming the field on bad values."""
     if top_k is not None and top_k >= info.vocab_size:
@@ -49,7 +50,7 @@ def build_sampling_params(
         return SamplingParams(
             max_tokens=max_tokens, seed=seed, stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
             logprobs=logprobs, min_tokens=min_tokens, prompt_logprobs=prompt_logprobs,
-            logprob_start_len=logprob_start_len, **values,
+            logprob_start_len=logprob_start_len, grammar=grammar, **values,
         )
     except InvalidSamplingParams as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -67,14 +68,14 @@ def _token_biases(logit_bias: dict[str, float], vocab_size: int) -> tuple[tuple[
     return tuple(sorted(pairs))
 
 
-def openai_sampling_params(info, body, logprobs: int | None) -> SamplingParams:
+def openai_sampling_params(info, body, logprobs: int | None, grammar: str | None = None) -> SamplingParams:
     """build_sampling_params from the sampling fields chat and completions share."""
     return build_sampling_params(
         info, max_tokens=body.output_limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logit_bias=body.logit_bias, seed=body.seed,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
-        min_tokens=body.min_tokens, prompt_logprobs=body.prompt_scores,
+        min_tokens=body.min_tokens, prompt_logprobs=body.prompt_scores, grammar=grammar,
     )
 
 

@@ -12,15 +12,15 @@ from pydantic import BaseModel
 
 from eaglesrv.server.errors import bad_request
 
-_STRUCTURED = "structured output (grammars, JSON schemas, regexes) is not supported by this server yet"
+_STRUCTURAL_TAG = "structural tags are not supported by this server (response_format json_schema, regex, ebnf are)"
 _TOOLS = "tool calling is not supported by this server yet"
 
 # Chat and completions bodies: OpenAI's, vLLM's and SGLang's extensions.
 OPENAI_BODY_FIELDS = {
     "functions": _TOOLS, "function_call": _TOOLS,
-    "json_schema": _STRUCTURED, "regex": _STRUCTURED, "ebnf": _STRUCTURED, "structural_tag": _STRUCTURED,
-    "guided_json": _STRUCTURED, "guided_regex": _STRUCTURED, "guided_choice": _STRUCTURED,
-    "guided_grammar": _STRUCTURED, "guided_decoding_backend": _STRUCTURED, "structured_outputs": _STRUCTURED,
+    "structural_tag": _STRUCTURAL_TAG,
+    "guided_decoding_backend": "the grammar backend cannot be chosen: this server enforces grammars with llguidance",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported: JSON is generated on one line",
     "use_beam_search": "beam search is not supported by this server",
     "length_penalty": "length_penalty applies to beam search, which this server does not do",
     "logits_processors": "custom logits processors are not supported by this server",
@@ -34,7 +34,7 @@ OPENAI_BODY_FIELDS = {
 
 # /generate's sampling_params (SGLang's names).
 NATIVE_SAMPLING_FIELDS = {
-    "json_schema": _STRUCTURED, "regex": _STRUCTURED, "ebnf": _STRUCTURED, "structural_tag": _STRUCTURED,
+    "structural_tag": _STRUCTURAL_TAG,
     "custom_params": "custom logit processors are not supported by this server",
 }
 
