@@ -15,6 +15,9 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 LONG_PROMPT = "hello " * (CONTEXT_LENGTH + 50)
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+NOT_TOOL = {"type": "function", "function": {"name": "no_strings", "parameters": {  # llguidance has no "not"
+    "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}
 
 
 def chat(**fields) -> dict:
@@ -40,7 +43,7 @@ BAD_REQUESTS = [
     ("top_logprobs too many", "POST", CHAT, chat(logprobs=True, top_logprobs=50), None, 400, "top_logprobs"),
     ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=3), None, 400, "presence_penalty"),
     ("empty stop string", "POST", CHAT, chat(stop=[""]), None, 400, "stop"),
-    ("tools unsupported", "POST", CHAT, chat(tools=[{"type": "function"}]), None, 400, "tools"),
+    ("tool without a function", "POST", CHAT, chat(tools=[{"type": "function"}]), None, 400, "tools[0].function"),
     ("unknown model", "POST", CHAT, chat(model="gpt-4o"), None, 404, "model"),
     ("over-long prompt", "POST", COMPLETIONS, {"prompt": LONG_PROMPT, "max_tokens": 4}, None, 400, "prompt"),
     ("over-long chat", "POST", CHAT, chat(messages=[{"role": "user", "content": LONG_PROMPT}]), None, 400, "messages"),
@@ -105,7 +108,18 @@ BAD_REQUESTS = [
     ("token ids mixed with text", "POST", COMPLETIONS, {"prompt": [[1, "a"]]}, None, 400, "prompt"),
     ("generate with text and input_ids", "POST", "/generate", {"text": "x", "input_ids": [1]}, None, 400, "text"),
     ("GET on generate", "GET", "/generate", None, None, 405, None),
-    ("tool_choice required", "POST", CHAT, chat(tool_choice="required"), None, 400, "tool_choice"),
+    ("tool_choice required without tools", "POST", CHAT, chat(tool_choice="required"), None, 400, "tool_choice"),
+    ("tool_choice naming an unknown function", "POST", CHAT,
+     chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), None, 400, "tool_choice"),
+    ("tool_choice of an unknown kind", "POST", CHAT, chat(tools=[TOOL], tool_choice="always"), None, 400,
+     "tool_choice"),
+    ("tool parameters not enforceable", "POST", CHAT, chat(tools=[TOOL, NOT_TOOL], tool_choice="required"), None,
+     400, "tools[1]"),
+    ("forced tool call with response_format", "POST", CHAT,
+     chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), None, 400, "tool_choice"),
+    ("tool call arguments not JSON", "POST", CHAT, chat(messages=[*MESSAGES, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}]), None, 400,
+     "messages[1].tool_calls[0].function.arguments"),
     ("response_format json_schema without a schema", "POST", CHAT, chat(response_format={"type": "json_schema"}),
      None, 400, "response_format"),
     ("response_format unknown type", "POST", CHAT, chat(response_format={"type": "yaml"}), None, 400,

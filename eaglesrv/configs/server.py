@@ -15,6 +15,8 @@ from eaglesrv.configs.errors import require
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+# SGLang's --tool-call-parser names (eaglesrv/server/tools/formats.py; a test keeps the two equal).
+TOOL_CALL_PARSERS = ("qwen25", "hermes", "llama3")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class ServerConfig:
     max_choices_per_request: prompts x n of one request (each is an engine request).
     max_logprobs: the most alternatives a request may ask for per token (logprobs,
         top_logprobs, prompt_logprobs, top_logprobs_num), as vLLM's --max-logprobs.
+    tool_call_parser: the format the model writes tool calls in (TOOL_CALL_PARSERS); None:
+        judged from the model's chat template.
     allowed_origins: web origins whose browser requests are served (with CORS headers);
         "*" allows any. Requests with any other Origin header get 403.
     watchdog_timeout_s: an engine silent this long (not even answering a ping between two
@@ -49,6 +53,7 @@ class ServerConfig:
     max_stop_token_ids: int = 256
     max_choices_per_request: int = 1024
     max_logprobs: int = 20
+    tool_call_parser: str | None = None
     watchdog_timeout_s: float = 300.0
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout_s: float = 30.0
@@ -70,6 +75,8 @@ class ServerConfig:
                             ("--max-choices-per-request", self.max_choices_per_request)):
             require(value >= 1, f"{flag} must be at least 1, got {value}")
         require(self.max_logprobs >= 0, f"--max-logprobs must be >= 0, got {self.max_logprobs}")
+        require(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         require(self.watchdog_timeout_s > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout_s}")
         require(self.shutdown_timeout_s >= 0,
                 f"--graceful-shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
@@ -107,6 +114,9 @@ SERVER_FLAGS: tuple[_ServerFlag, ...] = (
     _ServerFlag(("--max-logprobs",), "max_logprobs",
                 "Most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs, "
                 "top_logprobs_num).", int, metavar="N"),
+    _ServerFlag(("--tool-call-parser",), "tool_call_parser",
+                "The format the model writes tool calls in, for tools on /v1/chat/completions. Default: judged "
+                "from the chat template (qwen25 for templates that render no tools).", str, TOOL_CALL_PARSERS),
     _ServerFlag(("--max-request-bytes",), "max_request_bytes", "Largest request body; larger ones get 413.", int,
                 metavar="BYTES"),
     _ServerFlag(("--watchdog-timeout",), "watchdog_timeout_s",

@@ -42,6 +42,8 @@ from eaglesrv.server.request_prep import (
 )
 from eaglesrv.server.state import ServerState
 from eaglesrv.server.structured import openai_grammar
+from eaglesrv.server.tools.prompting import default_format
+from eaglesrv.server.tools.responses import prepare_chat_tools
 
 
 def chat_router(state: ServerState) -> APIRouter:
@@ -66,13 +68,18 @@ class ChatHandler:
         tokenizer = state.require_tokenizer("chat")
         check_choices(state.server_config, 1, body.n)
         check_stop_rules(state.server_config, info, body.stop_strings, body.stop_token_ids)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        state.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        self.prompt_ids = chat_prompt_ids(tokenizer, messages, body.chat_template_kwargs)
+        self.tools = prepare_chat_tools(tokenizer, [m.for_template() for m in body.messages], body.tools,
+                                        body.tool_choice, body.parallel_tool_calls,
+                                        state.server_config.tool_call_parser or default_format(tokenizer),
+                                        openai_grammar(body, state))
+        state.check_prompt_chars(self.tools.prompt_chars, "messages")
+        self.prompt_ids = chat_prompt_ids(tokenizer, self.tools.messages, body.chat_template_kwargs,
+                                          self.tools.template_tools)
         check_prompt(self.prompt_ids, info, body.output_limit, param="messages")
         check_logprob_counts(state.server_config, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
         self.top_n = (body.top_logprobs or 0) if body.logprobs else None
-        self.params = openai_sampling_params(info, body, self.top_n, openai_grammar(body, state))
+        self.params = openai_sampling_params(info, body, self.top_n, self.tools.grammar)
+        self.skip_special_tokens = body.skip_special_tokens and not self.tools.keep_special_tokens
         self.state = state
         self.body = body
         self.id = new_id("chatcmpl")
@@ -85,7 +92,7 @@ class ChatHandler:
         return [
             run_choice(self.state, i, self.prompt_ids,
                        with_choice_seed(self.params if i == 0 else self.params.replace(prompt_logprobs=None), i),
-                       self.body.stop_strings, self.body.skip_special_tokens)
+                       self.body.stop_strings, self.skip_special_tokens)
             for i in range(self.body.n)
         ]
 
@@ -102,16 +109,16 @@ class ChatHandler:
             results = await until_disconnected(request, collect_choices(self._runs()))
         finally:
             release()
-        choices = [
-            {
+        choices = []
+        for r in results:
+            message, finish_reason = self.tools.message(r.text, r.finish_reason)
+            choices.append({
                 "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
+                "message": message,
                 "logprobs": chat_logprobs(r.logprobs, self.token_text, self.top_n) if self.top_n is not None else None,
-                "finish_reason": r.finish_reason,
+                "finish_reason": finish_reason,
                 "matched_stop": r.matched_stop,
-            }
-            for r in results
-        ]
+            })
         return JSONResponse({
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
             "choices": choices,
@@ -124,6 +131,7 @@ class ChatHandler:
         include_usage = self.body.include_usage
         completion_tokens: dict[int, int] = {}
         cached_tokens: dict[int, int] = {}
+        streams = [self.tools.choice_stream() for _ in range(self.body.n)]  # each choice's calls are its own
         try:
             for i in range(self.body.n):
                 yield self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -136,13 +144,14 @@ class ChatHandler:
                     completion_tokens[d.index] = d.num_output_tokens
                     cached_tokens[d.index] = d.num_cached_tokens
                     has_logprobs = self.top_n is not None and d.logprobs
-                    if not (d.text or has_logprobs or d.finish_reason):
-                        continue  # text held back (partial character or possible stop string)
+                    delta = streams[d.index].delta(d.text, finished=d.finish_reason is not None)
+                    if not (delta or has_logprobs or d.finish_reason):
+                        continue  # text held back (partial character, possible stop string or tool call)
                     yield self._chunk({
                         "index": d.index,
-                        "delta": {"content": d.text} if d.text else {},
+                        "delta": delta,
                         "logprobs": chat_logprobs(d.logprobs, self.token_text, self.top_n) if has_logprobs else None,
-                        "finish_reason": d.finish_reason,
+                        "finish_reason": streams[d.index].finish_reason(d.finish_reason),
                     })
             if include_usage:
                 yield sse({**self._envelope(), "choices": [],

@@ -76,10 +76,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON object's text (OpenAI); an object is taken too
+
+
+class AssistantToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this is the result of
 
     def text(self) -> str:
         if self.content is None:
@@ -88,14 +101,25 @@ class ChatMessage(_Request):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template (through server/tools/prompting.py) takes it."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked with tool_choice by server/tools (400 naming the field)
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM, SGLang): the template's own options
 
@@ -105,10 +129,6 @@ class ChatCompletionRequest(SamplingFields):
 
     def refuse_unsupported(self) -> None:
         _refuse_common(self)
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported by this server yet", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice: tool calling is not supported by this server yet", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
 

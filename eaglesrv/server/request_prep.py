@@ -154,10 +154,11 @@ _TEMPLATE_CALL_ARGS = {"conversation", "messages", "tokenize", "add_generation_p
                        "documents", "return_dict", "return_tensors", "continue_final_message"}
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]],
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Apply the model's chat template (with the request's chat_template_kwargs, e.g.
-    enable_thinking, passed to it as variables); the template writes the special tokens itself."""
+    enable_thinking, passed to it as variables, and `tools` for a template that renders them:
+    server/tools/prompting.py decides); the template writes the special tokens itself."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     taken = sorted(set(template_kwargs or {}) & _TEMPLATE_CALL_ARGS)
@@ -165,7 +166,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]],
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", param="chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                             **(template_kwargs or {}))
+                                             **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - a template's own checks (e.g. role order) raise anything
         raise bad_request(f"the chat template rejected the messages: {exc}", param="messages") from None
     return encode_text(tokenizer, text, add_special_tokens=False)

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from eaglesrv.server.errors import bad_request
 
 _STRUCTURAL_TAG = "structural tags are not supported by this server (response_format json_schema, regex, ebnf are)"
-_TOOLS = "tool calling is not supported by this server yet"
+_TOOLS = "the deprecated functions and function_call are not supported: use tools and tool_choice"
 
 # Chat and completions bodies: OpenAI's, vLLM's and SGLang's extensions.
 OPENAI_BODY_FIELDS = {

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from eaglesrv.server.tools.calls import ToolRequestError
+from eaglesrv.server.tools.calls import ToolRequestError, forced_functions, function_specs
 from eaglesrv.server.tools.formats import HermesFormat, Llama3Format
 
 HERMES_FORMAT = HermesFormat.name  # the format of the fallback prompt
@@ -52,7 +52,7 @@ def default_format(tokenizer) -> str:
 
 
 def tools_for_prompt(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[dict[str, Any]] | None:
-    """The tools to show the model under tool_choice (see the module's docstring)."""
+    """The tools to show the model under tool_choice (see the module's docstring); both already checked."""
     if not tools or tool_choice == "none":
         return None
     if isinstance(tool_choice, dict):
@@ -73,7 +73,9 @@ class TemplateInputs:
 def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     tool_choice: Any = None) -> TemplateInputs:
     """What to hand apply_chat_template for OpenAI `messages` (roles system, user, assistant
-    with optional tool_calls, tool; "developer" already mapped to system) and `tools`."""
+    with optional tool_calls, tool; "developer" already mapped to system) and `tools`.
+    ToolRequestError (param: the field) for malformed tools, tool_choice or tool calls."""
+    forced_functions(function_specs(tools), tool_choice)  # checks both before they are used
     shown = tools_for_prompt(tools, tool_choice)
     if template_renders_tools(tokenizer):
         return TemplateInputs([_hf_message(m, i) for i, m in enumerate(messages)], shown)
@@ -146,22 +148,22 @@ def _call_block(name: str, arguments: dict[str, Any]) -> str:
 def _hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The conversation in the Hermes convention, with roles and contents a plain template renders."""
     rendered: list[dict[str, Any]] = []
+    previous_role = None
     for i, message in enumerate(messages):
         role, content = message.get("role"), _text(message.get("content"))
         if role == "tool":
             response = f"<tool_response>\n{content}\n</tool_response>"
-            if rendered and rendered[-1].get("tool_responses"):  # results of one turn's calls: one user turn
+            if previous_role == "tool":  # the results of one turn's calls: one user turn
                 rendered[-1]["content"] += "\n" + response
             else:
-                rendered.append({"role": "user", "content": response, "tool_responses": True})
-            continue
-        if role == "assistant" and message.get("tool_calls"):
+                rendered.append({"role": "user", "content": response})
+        elif role == "assistant" and message.get("tool_calls"):
             blocks = [_call_block(*_arguments(call, f"messages[{i}].tool_calls[{j}]"))
                       for j, call in enumerate(message["tool_calls"])]
-            content = "\n".join([content] * bool(content) + blocks)
-        rendered.append({"role": role, "content": content})
-    for message in rendered:
-        message.pop("tool_responses", None)
+            rendered.append({"role": role, "content": "\n".join(([content] if content else []) + blocks)})
+        else:
+            rendered.append({"role": role, "content": content})
+        previous_role = role
     if tools:
         section = _tools_section(tools)
         if rendered and rendered[0]["role"] == "system":
