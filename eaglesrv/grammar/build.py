@@ -7,9 +7,10 @@ outputs the schema allows (docs/structured_output.md; tests/test_grammar_schemas
 keeps the measurement). A schema is enforced exactly or refused with a 400: the compile
 options never relax a keyword (no `lenient`, no `coerce_one_of`).
 
-JSON is generated on one line with Python's separators (", " and ": "): whitespace is
-not free, so a small model cannot wander into endless newlines, and every document the
-schema allows still has exactly one spelling the grammar accepts.
+JSON is generated on one line with Python's separators (", " and ": "), and an object's
+properties in the schema's order: whitespace is not free, so a small model cannot wander
+into endless newlines, and every document the schema allows has exactly one spelling the
+grammar accepts (json.dumps(doc, separators=JSON_SEPARATORS) with keys in schema order).
 
 The grammar string is plain text, so it travels in SamplingParams to the engine process;
 checking it here (once per distinct grammar, cached) turns a bad schema into a 400 before
@@ -23,8 +24,10 @@ import json
 from typing import Any
 
 JSON_SEPARATORS = (", ", ": ")  # item, key: json.dumps(doc, separators=JSON_SEPARATORS) is the accepted form
+# Overrides, applied after any "x-guidance" options in the schema itself: a schema cannot
+# relax its own enforcement (lenient, coerce_one_of) or the spelling.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0],
-                 "key_separator": JSON_SEPARATORS[1]}
+                 "key_separator": JSON_SEPARATORS[1], "lenient": False, "coerce_one_of": False}
 
 
 class GrammarError(ValueError):
@@ -42,7 +45,6 @@ def json_schema_grammar(schema: dict[str, Any] | bool | str) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object or true, got {type(schema).__name__}")
-    # The schema's own x-guidance options could relax it; ours override them.
     import llguidance
 
     text = json.dumps(schema)
