@@ -50,6 +50,25 @@ def head_dir(tiny_llama_dir, tmp_path_factory) -> str:
     return save_random_head(tiny_llama_dir, tmp_path_factory.mktemp("head"))
 
 
+@pytest.fixture(scope="session")
+def default_tokenizer():
+    """The default model's tokenizer (SmolLM2-135M-Instruct's, from its GGUF), loaded once a run."""
+    from transformers import AutoTokenizer
+
+    from eaglesrv.engine.loader import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def default_lltokenizer(default_tokenizer):
+    """llguidance's view of the default tokenizer, for checking grammars without a model."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(default_tokenizer, n_vocab=len(default_tokenizer))
+
+
 def engine_config(model_path: str | None, **kwargs) -> EngineConfig:
     """An fp32 CPU engine config; kwargs go to the config group that has the field."""
     groups = {"model": {"model_path": model_path, "dtype": "float32"}, "cache": {}, "scheduler": {},

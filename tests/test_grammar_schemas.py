@@ -45,20 +45,13 @@ def spelling(doc) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from eaglesrv.engine.loader import default_model_path
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
-def llg_tokenizer(tokenizer):
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+def llg_tokenizer(default_lltokenizer):
+    return default_lltokenizer
 
 
 def accepts(matcher, tokenizer, text: str) -> bool:

@@ -211,17 +211,11 @@ NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def accepts():
+def accepts(default_tokenizer, default_lltokenizer):
     """accepts(grammar, text): does llguidance let the default model write exactly `text`?"""
     import llguidance
-    import llguidance.hf
-    from transformers import AutoTokenizer
 
-    from eaglesrv.engine.loader import default_model_path
-
-    path = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    tokenizer, ll_tokenizer = default_tokenizer, default_lltokenizer
 
     def check(grammar: str, text: str) -> bool:
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)

@@ -49,13 +49,8 @@ TOOLS_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from eaglesrv.engine.loader import default_model_path
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def tokenizer(default_tokenizer):
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
