@@ -116,6 +116,8 @@ def _unbounded(node, where: str = "#") -> list[str]:
             problems.append(f"{where}: object open to extra keys")
         if len(node.get("properties", {})) > 12:
             problems.append(f"{where}: more than 12 properties")
+    if "number" in types:
+        problems.append(f"{where}: a number's fraction has no digit limit")
     if {"integer", "number"} & set(types) and not ({"minimum", "exclusiveMinimum"} & node.keys()
                                                    and {"maximum", "exclusiveMaximum"} & node.keys()):
         problems.append(f"{where}: number without both bounds")
