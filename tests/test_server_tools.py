@@ -136,6 +136,17 @@ def test_stream_deltas_join_to_the_whole_message():
     assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
 
 
+def test_a_forced_call_cut_off_by_max_tokens_is_dropped():
+    """Under "required" the grammar allows calls only: text that is not a whole call is the
+    unfinished last one, never content (whole and streamed alike)."""
+    cut = TWO_CALLS.removeprefix("Sure.\n") + '\n<tool_call>\n{"name": "get_ti'
+    message, reason = prepare("required").message(cut, "length")
+    assert reason == "length" and message["content"] is None and len(message["tool_calls"]) == 2
+    stream = prepare("required").choice_stream()
+    deltas = [stream.delta(cut[i:i + 5], finished=i + 5 >= len(cut)) for i in range(0, len(cut), 5)]
+    assert not any("content" in d for d in deltas) and sum(len(d.get("tool_calls", [])) for d in deltas) == 2
+
+
 def test_what_tool_choice_changes():
     none = prepare("none")
     assert none.format is None and none.grammar is None and none.template_tools is None

@@ -38,6 +38,10 @@ class ChatTools:
     format: ToolCallFormat | None  # reads calls out of the completion; None: the completion is all content
     parallel: bool  # parallel_tool_calls: false keeps the first call only
     keep_special_tokens: bool  # the format's markers are special tokens: detokenize with them
+    # "required" or a named function: the grammar allows calls only, so text outside a whole
+    # call is one that max_tokens cut off (the default model, left to write parallel calls
+    # under "required", writes them until the limit): it is dropped, not returned as content.
+    forced: bool = False
 
     @property
     def prompt_chars(self) -> int:
@@ -52,6 +56,8 @@ class ChatTools:
             return {"role": "assistant", "content": text}, finish_reason
         content, calls = self.format.parse(text)
         calls = calls if self.parallel else calls[:1]
+        if self.forced:
+            content = None
         if not calls:
             return {"role": "assistant", "content": content or ""}, finish_reason
         return ({"role": "assistant", "content": content, "tool_calls": [call.to_openai() for call in calls]},
@@ -67,6 +73,7 @@ class ChoiceToolStream:
     def __init__(self, tools: ChatTools) -> None:
         self._parser = tools.format.stream_parser() if tools.format is not None else None
         self._parallel = tools.parallel
+        self._forced = tools.forced
         self._calls: list[ToolCall] = []
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:
@@ -75,7 +82,7 @@ class ChoiceToolStream:
         if self._parser is None:
             return {"content": text} if text else {}
         events = self._parser.feed(text) + (self._parser.finish() if finished else [])
-        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        content = "" if self._forced else "".join(e.text for e in events if isinstance(e, ContentDelta))
         calls = [e for e in events if isinstance(e, ToolCallDelta) and (self._parallel or e.index == 0)]
         self._calls += [e.call for e in calls]
         delta: dict[str, Any] = {"content": content} if content else {}
@@ -114,7 +121,8 @@ def prepare_chat_tools(tokenizer, messages: list[dict[str, Any]], tools: list[An
         fmt = None  # with "auto" the constraint shapes the whole completion: content, never calls
     return ChatTools(messages=inputs.messages, template_tools=inputs.tools, grammar=grammar or other_grammar,
                      format=fmt, parallel=parallel,
-                     keep_special_tokens=fmt is not None and _markers_are_special(tokenizer, fmt))
+                     keep_special_tokens=fmt is not None and _markers_are_special(tokenizer, fmt),
+                     forced=grammar is not None)
 
 
 def _markers_are_special(tokenizer, fmt: ToolCallFormat) -> bool:
