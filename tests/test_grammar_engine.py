@@ -176,3 +176,54 @@ def test_sampling_without_the_target_mask_fails_the_same_bound(model, exact_mask
     monkeypatch.setattr(Eagle3Runner, "_grammar_masked", masked_only_where_the_draft_went)
     observed, invalid = _sampled_marginals(model)
     assert invalid > 0 or max(total_variation(observed[i], exact_masked_marginals[i]) for i in range(2)) > BOUND
+
+
+# ---- GrammarMatchers alone ------------------------------------------------------------------
+def _matchers(model):
+    from transformers import AutoTokenizer
+
+    from eaglesrv.engine.grammar_masks import GrammarMatchers
+
+    return GrammarMatchers(AutoTokenizer.from_pretrained(model[0]), VOCAB, [2])
+
+
+def _seq(output, request_id="r"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=request_id, params=SamplingParams(grammar=regex_grammar(PATTERN)),
+                           output_token_ids=output)
+
+
+def _ids(mask: torch.Tensor) -> list[int]:
+    return torch.nonzero(mask).flatten().tolist()
+
+
+def test_masks_follow_the_output_and_a_broken_one_allows_only_eos(model, caplog):
+    matchers = _matchers(model)
+    output: list[int] = []
+    seq = _seq(output)
+    assert _ids(matchers.allowed_now([seq])[0]) == [0, 1]  # a, b
+    output += [1, 3]  # "bc": the matcher catches up from the output itself
+    assert _ids(matchers.allowed_now([seq])[0]) == [0, 5, 6, 7, 8]
+    output += [7]
+    assert _ids(matchers.allowed_now([seq])[0]) == [2]  # complete: EOS only
+    broken = _seq([1, 1], "broken")  # "bb" breaks the grammar
+    assert _ids(matchers.allowed_now([broken])[0]) == [2]
+    broken.output_token_ids.append(0)
+    assert _ids(matchers.allowed_now([broken])[0]) == [2]
+    assert sum("broke its grammar" in r.message for r in caplog.records) == 1  # said once
+
+
+def test_tree_masks_leave_the_matcher_where_it_was(model):
+    """Every node's mask is the grammar's after its path; EOS nodes are not entered (a stopped
+    matcher takes EOS again without recording it, so rolling that back would undo a real token)."""
+    matchers = _matchers(model)
+    seq = _seq([1])  # "b"
+    # root b; children c (3), a (0: forbidden here), EOS (2, with a child EOS); c's child 2 ("c2"), then EOS
+    tokens, parents = [1, 3, 0, 2, 7, 2, 2], [-1, 0, 0, 0, 1, 3, 4]
+    masks = matchers.tree_masks(seq, tokens, parents)
+    assert _ids(masks[0]) == [3, 4, 5, 6]  # after "b": c, d, 0, 1
+    assert _ids(masks[1]) == [0, 5, 6, 7, 8]  # after "bc"
+    assert _ids(masks[4]) == [2]  # after "bc2": complete
+    assert masks[2].all() and masks[3].all() and masks[5].all() and masks[6].all()  # not entered
+    assert _ids(matchers.allowed_now([seq])[0]) == [3, 4, 5, 6]  # unchanged

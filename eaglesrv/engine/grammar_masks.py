@@ -119,7 +119,7 @@ class GrammarMatchers:
         if state.consumed > len(output) and state.matcher is not _BROKEN:
             state.matcher.rollback(state.consumed - len(output))
             state.consumed = len(output)
-        if state.consumed < len(output) and state.matcher is not _BROKEN:
+        if state.consumed < len(output) and not state.matcher.is_error():  # an error is logged once
             if not state.matcher.consume_tokens(list(output[state.consumed:])):
                 logger.warning("request %s: an output token broke its grammar (%s); only EOS is allowed now",
                                seq.request_id, state.matcher.get_error())
