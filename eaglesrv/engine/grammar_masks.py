@@ -3,8 +3,8 @@
 The runner owns one `GrammarMatchers`; it keeps an llguidance matcher per request that
 asks for a grammar (SamplingParams.grammar, built and checked by eaglesrv/grammar/), and
 drops it in StepRunner.release. A matcher's state is derived from the sequence, never
-pushed: before each use it consumes the request's output tokens it has not seen (or rolls
-back any it saw that are gone), so preemption, speculation and aborts need no hooks.
+pushed: before each use it consumes the request's output tokens it has not seen (the
+scheduler only ever appends to them), so preemption, speculation and aborts need no hooks.
 
     allowed_now(seqs)         the mask after each request's committed tokens: plain
                               sampling and the bonus token after a tree
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from eaglesrv.grammar.build import checked
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class GrammarMatchers:
         self.eos_token_ids = sorted(eos_token_ids)
         self._eos = frozenset(eos_token_ids)
         self._lltokenizer = None  # built at the first grammar (about 0.4 s for a 49k vocabulary)
+        self._scratch: torch.Tensor | None = None  # one row at llguidance's width, made with it
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar -> a fresh matcher, LRU
         self._requests: dict[str, _RequestMatcher] = {}
         self._words = (vocab_size + 31) // 32
@@ -71,13 +74,10 @@ class GrammarMatchers:
 
     # ---- compiling ----------------------------------------------------------------------
     def check(self, grammar: str) -> None:
-        """ValueError with llguidance's message if `grammar` cannot be enforced. Touches no
-        state, so any thread may call it (Engine.add_request); the step compiles it."""
-        import llguidance
-
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-        if is_error:
-            raise ValueError(f"the grammar cannot be enforced: {messages[0]}")
+        """GrammarError (a ValueError) naming the problem if `grammar` cannot be enforced: the
+        server's own check, cached per grammar. Touches none of this object's state, so any
+        thread may call it (Engine.add_request); the step compiles it."""
+        checked(grammar)
 
     def _compile(self, grammar: str):
         template = self._compiled.get(grammar)
@@ -86,7 +86,7 @@ class GrammarMatchers:
             return template
         import llguidance
 
-        template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        template = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"the grammar cannot be enforced: {template.get_error()}")
         self._compiled[grammar] = template
@@ -94,7 +94,7 @@ class GrammarMatchers:
             self._compiled.popitem(last=False)
         return template
 
-    def _tokenizer(self):
+    def _ll_tokenizer(self):
         if self._lltokenizer is None:
             import llguidance.hf
 
@@ -116,9 +116,6 @@ class GrammarMatchers:
         if state is None:
             state = self._requests[seq.request_id] = _RequestMatcher(self._new_matcher(seq))
         output = seq.output_token_ids
-        if state.consumed > len(output) and state.matcher is not _BROKEN:
-            state.matcher.rollback(state.consumed - len(output))
-            state.consumed = len(output)
         if state.consumed < len(output) and not state.matcher.is_error():  # an error is logged once
             if not state.matcher.consume_tokens(list(output[state.consumed:])):
                 logger.warning("request %s: an output token broke its grammar (%s); only EOS is allowed now",
@@ -153,7 +150,7 @@ class GrammarMatchers:
         for node, parent in enumerate(parents):
             if parent >= 0:
                 children[parent].append(node)
-        bitmask = torch.full((len(node_tokens), self._words), -1, dtype=torch.int32)
+        bitmask = self._bitmask(len(node_tokens))
         self._fill(matcher, bitmask, 0)
         stack = [(child, False) for child in reversed(children[0])]
         while stack:  # depth first: consume a node's token on entering it, roll it back on leaving its subtree
@@ -170,7 +167,7 @@ class GrammarMatchers:
         """bool [len(paths), vocab]: what the grammar allows after each path of tokens past
         the committed ones (all-allowed for a path it forbids)."""
         matcher = self._synced(seq)
-        bitmask = torch.full((len(paths), self._words), -1, dtype=torch.int32)
+        bitmask = self._bitmask(len(paths))
         for row, path in enumerate(paths):
             valid = self._eos.isdisjoint(path) and matcher.validate_tokens(path) == len(path)
             if valid and matcher.consume_tokens(path):
@@ -180,11 +177,12 @@ class GrammarMatchers:
 
     # ---- masks ---------------------------------------------------------------------------
     def _bitmask(self, rows: int) -> torch.Tensor:
+        """int32 [rows, words], every token allowed until a row is filled."""
         return torch.full((rows, self._words), -1, dtype=torch.int32)
 
     def _fill(self, matcher, bitmask: torch.Tensor, row: int) -> None:
         """The matcher's next-token mask into bitmask[row]; EOS only for a broken matcher."""
-        if matcher is _BROKEN or matcher.is_error():
+        if matcher.is_error():  # a broken matcher too
             bitmask[row] = 0
             for eos in self.eos_token_ids:
                 bitmask[row, eos // 32] |= _bit(eos % 32)

@@ -6,8 +6,8 @@ Pipeline per step (all vectorized over the batch, computed in float32):
     processed probs --inverse CDF with request_uniforms(seed, step)--> token
 
 Greedy rows (temperature 0 or top_k 1) take argmax of the penalized logits. Tokens a
-row's grammar forbids (SamplingBatch.token_masks) are -inf from the start, like suppressed ones. Logprobs
-are log_softmax of the raw logits (vLLM's default), only for rows that ask.
+row's grammar forbids (SamplingBatch.token_masks) are -inf from the start, like suppressed
+ones. Logprobs are log_softmax of the raw logits (vLLM's default), only for rows that ask.
 
 The pieces are public because EAGLE-3 verification reuses them: it needs the processed
 target distribution (`processed_probs`) and uniforms that depend only on (seed, step)
@@ -111,9 +111,9 @@ def request_uniforms(seed: int, step_index: int, n: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 logits [B, V] after suppression and grammar masks and, in transformers' order, logit_bias,
-    repetition_penalty (over prompt and output tokens), then OpenAI's presence and
-    frequency penalties (over output tokens).
+    """float32 logits [B, V] after suppression and grammar masks and, in transformers'
+    order, logit_bias, repetition_penalty (over prompt and output tokens), then OpenAI's
+    presence and frequency penalties (over output tokens).
 
     Returns a new tensor when any of them applies (the input is never modified); rows
     without them are left bit-identical. Token ids past the logits' width are ignored.

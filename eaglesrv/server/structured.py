@@ -88,18 +88,13 @@ def _response_format(response_format: dict[str, Any]) -> list[tuple[str, Callabl
 def _structured_outputs(spec: Any) -> list[tuple[str, Callable[[], str]]]:
     if not isinstance(spec, dict):
         raise bad_request("structured_outputs must be an object", param="structured_outputs")
-    builders = {"json": _json_value, "regex": _text(regex_grammar), "choice": _choice, "grammar": _text(ebnf_grammar)}
+    builders = {key: _FIELD_BUILDERS[field] for key, field in _STRUCTURED_OUTPUTS_KEYS.items()}
     unknown = sorted(k for k, v in spec.items() if k not in builders and v not in (None, False, "", [], {}))
     if unknown:
         raise bad_request(f"structured_outputs: {', '.join(unknown)} is not supported ({', '.join(builders)})",
                           param="structured_outputs")
     return [(f"structured_outputs.{key}", lambda build=builders[key], value=spec[key]: build(value))
             for key in builders if spec.get(key) not in (None, "", [], {})]
-
-
-def _json_value(schema: Any) -> str:
-    """A schema given as an object or as its JSON text."""
-    return json_schema_grammar(schema)
 
 
 def _text(build: Callable[[str], str]) -> Callable[[Any], str]:
@@ -119,11 +114,14 @@ def _choice(choices: Any) -> str:
 
 
 _FIELD_BUILDERS: dict[str, Callable[[Any], str]] = {
-    "json_schema": _json_value,  # SGLang: the schema as a JSON string
+    "json_schema": json_schema_grammar,  # SGLang: the schema as a JSON string (an object is taken too)
     "regex": _text(regex_grammar),
     "ebnf": _text(ebnf_grammar),
-    "guided_json": _json_value,  # vLLM
+    "guided_json": json_schema_grammar,  # vLLM
     "guided_regex": _text(regex_grammar),
     "guided_choice": _choice,
     "guided_grammar": _text(ebnf_grammar),
 }
+# vLLM's structured_outputs keys: the same constraints as its guided_* fields
+_STRUCTURED_OUTPUTS_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                            "grammar": "guided_grammar"}

@@ -337,12 +337,12 @@ class Eagle3Runner(StepRunner):
         Greedy trees are walked on the device in one batched op, sampled ones on the host."""
         n = trees.num_nodes
         order = list(tree_row)  # sequence indices, in tree-row order
-        allowed = self._grammar_masked(trees, [seqs[i] for i in order], logits)  # logprobs stay raw
-        acceptances = self._accept_greedy_trees(shape, trees, allowed, [seqs[i].params.greedy for i in order])
+        constrained = self._grammar_masked(trees, [seqs[i] for i in order], logits)  # logprobs stay raw
+        acceptances = self._accept_greedy_trees(shape, trees, constrained, [seqs[i].params.greedy for i in order])
         sampling = [b for b, i in enumerate(order) if not seqs[i].params.greedy]
         probs = {}
         if sampling:
-            flat = allowed[sampling].reshape(len(sampling) * n, -1)
+            flat = constrained[sampling].reshape(len(sampling) * n, -1)
             expanded = [seqs[order[b]] for b in sampling for _ in range(n)]
             probs = dict(zip(
                 sampling, processed_probs(flat, SamplingBatch.of(expanded)).view(len(sampling), n, -1).cpu()))
