@@ -2,6 +2,7 @@
 
     python -m eaglesrv.launch                      # SmolLM2-135M-Instruct at 127.0.0.1:30000
     python -m eaglesrv.launch --model-path meta-llama/Llama-3.1-8B-Instruct --port 8000
+    python -m eaglesrv.launch --model-path meta-llama/Llama-3.1-70B-Instruct --tp-size 8   # 8 GPUs
 
 The engine runs in its own process; this process serves HTTP, tokenizes and detokenizes.
 """
@@ -49,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from eaglesrv.server.not_landed import report_ignored_flags
 
     report_ignored_flags(engine_config)
+    if engine_config.parallel.node_rank > 0:  # tensor-parallel ranks only: node 0 serves
+        from eaglesrv.engine.parallel.followers import run_other_node
+
+        return run_other_node(engine_config, server_config.log_level)
     try:
         return asyncio.run(serve(server_config, engine_config))
     except KeyboardInterrupt:

@@ -13,9 +13,11 @@
 #   machine     nvidia-smi, nvcc, library versions, the GPU's name                  -> machine.txt
 #   sm90        every Triton kernel compiled for sm_90, on the CPU beside the tests -> sm90_report.txt
 #   GPU tests   pytest -m gpu over every tests/test_*.py that marks tests gpu       -> gpu_tests.txt
+#   TP tests    tests/test_gpu_tensor_parallel.py (NCCL), when the machine has 2 GPUs or more;
+#               on one GPU the part records that it did not run                  -> tp_tests.txt
 #   benchmarks  python -m eaglesrv.bench_gpu: Llama-3.1-8B shape, dummy bf16 weights -> bench.txt, bench.json
 # It prints one table last (also table.md): each part's outcome, then each figure beside its
-# target. Exit status 1 if any part failed or did not run. Seven files in all under $OUT (the
+# target. Exit status 1 if any part failed or did not run. Eight files in all under $OUT (the
 # device tool brings back eight at most).
 # GPU_CHECK_DRY_RUN=1 runs the same logic on a CPU machine, to catch the script's own errors:
 # the wheels are listed, not installed; pytest only collects; bench_gpu runs --smoke on the CPU.
@@ -32,7 +34,7 @@ site=${GPU_CHECK_SITE:-/tmp/eaglesrv-site}
 state=$(mktemp -d)
 trap 'rm -rf "$state"' EXIT
 mkdir -p "$out"
-rm -f "$out"/{install,machine,sm90_report,gpu_tests,bench}.txt "$out"/bench.json "$out"/table.md
+rm -f "$out"/{install,machine,sm90_report,gpu_tests,tp_tests,bench}.txt "$out"/bench.json "$out"/table.md
 export PYTHONUNBUFFERED=1
 
 log() { printf '[gpu_check %3d s] %s\n' "$SECONDS" "$*" >&2; }
@@ -129,11 +131,21 @@ run_part machine.txt "machine" 30 300 bash -c 'machine "$@"' _ "$dry"
 run_part sm90_report.txt "sm90 compile report" 150 30 "$py" -m eaglesrv.kernels.sm90_report &
 sm90=$!
 
-mapfile -t gpu_files < <(grep -l 'mark\.gpu' tests/test_*.py)
+tp_file=tests/test_gpu_tensor_parallel.py
+mapfile -t gpu_files < <(grep -l 'mark\.gpu' tests/test_*.py | grep -v -x "$tp_file")
 pytest_args=(-q -p no:cacheprovider -m gpu --durations=10)
 [[ -n $dry ]] && pytest_args+=(--collect-only)
 run_part gpu_tests.txt "GPU tests (pytest -m gpu, ${#gpu_files[@]} files)" 230 205 \
   "$py" -m pytest "${pytest_args[@]}" "${gpu_files[@]}"
+
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if ((gpus >= 2)) || [[ -n $dry ]]; then
+  run_part tp_tests.txt "tensor parallelism over NCCL ($gpus GPUs)" 150 190 \
+    "$py" -m pytest "${pytest_args[@]}" "$tp_file"
+else
+  echo "not run: tensor parallelism needs 2 GPUs, this machine has ${gpus:-0}" > "$out/tp_tests.txt"
+  record tp_tests.txt "tensor parallelism over NCCL" 0 0
+fi
 
 bench_args=(--output-json "$out/bench.json")
 [[ -n $dry ]] && bench_args+=(--smoke --device cpu)
@@ -142,7 +154,7 @@ DETAIL="python -m eaglesrv.bench_gpu ${bench_args[*]:2}: the figures are below" 
 
 wait "$sm90"
 checks="$state/parts.tsv"
-for file in install.txt machine.txt sm90_report.txt gpu_tests.txt bench.txt; do
+for file in install.txt machine.txt sm90_report.txt gpu_tests.txt tp_tests.txt bench.txt; do
   cat "$state/$file.tsv" 2>/dev/null || printf '%s\tmissing\t\tno record\n' "$file"
 done > "$checks"
 status=0

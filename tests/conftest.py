@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, RuntimeConfig, SchedulerConfig
+from eaglesrv.configs import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, RuntimeConfig, SchedulerConfig
 
 # The suite runs on 2 cores beside server subprocesses; with torch splitting every op over
 # both cores, two busy processes stall each other (tiny ops measured 60x slower), so the
@@ -72,7 +72,7 @@ def default_lltokenizer(default_tokenizer):
 def engine_config(model_path: str | None, **kwargs) -> EngineConfig:
     """An fp32 CPU engine config; kwargs go to the config group that has the field."""
     groups = {"model": {"model_path": model_path, "dtype": "float32"}, "cache": {}, "scheduler": {},
-              "runtime": {"device": "cpu"}}
+              "runtime": {"device": "cpu"}, "parallel": {}}
     for key, value in kwargs.items():
         group = next(g for g, cls in _GROUP_CLASSES.items() if key in cls.__dataclass_fields__)
         groups[group][key] = value
@@ -80,7 +80,9 @@ def engine_config(model_path: str | None, **kwargs) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(**groups["model"]), cache=CacheConfig(**groups["cache"]),
         scheduler=SchedulerConfig(**groups["scheduler"]), runtime=RuntimeConfig(**groups["runtime"]),
+        parallel=ParallelConfig(**groups["parallel"]),
     )
 
 
-_GROUP_CLASSES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runtime": RuntimeConfig}
+_GROUP_CLASSES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "runtime": RuntimeConfig,
+                  "parallel": ParallelConfig}

@@ -3,6 +3,7 @@
 from eaglesrv.configs.cache import CacheConfig
 from eaglesrv.configs.engine import EngineConfig
 from eaglesrv.configs.model import ModelConfig
+from eaglesrv.configs.parallel import ParallelConfig
 from eaglesrv.configs.runtime import RuntimeConfig
 from eaglesrv.configs.scheduler import SchedulerConfig
 from eaglesrv.configs.server import ServerConfig
@@ -12,6 +13,7 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "ModelConfig",
+    "ParallelConfig",
     "RuntimeConfig",
     "SchedulerConfig",
     "ServerConfig",

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from eaglesrv.configs.cache import CacheConfig
 from eaglesrv.configs.engine import EngineConfig
 from eaglesrv.configs.model import DTYPES, LOAD_FORMATS, ModelConfig
+from eaglesrv.configs.parallel import ParallelConfig
 from eaglesrv.configs.runtime import ATTENTION_BACKENDS, DEVICES, RuntimeConfig
 from eaglesrv.configs.scheduler import SchedulerConfig
 from eaglesrv.configs.speculative import SpeculativeConfig
@@ -24,6 +25,7 @@ GROUPS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
     "runtime": RuntimeConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -86,7 +88,18 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "flashinfer (a backend named here that fails its check stops start-up).", str, ATTENTION_BACKENDS),
     Flag(("--cuda-graph-max-bs",), "runtime", "cuda_graph_max_bs", "Largest batch captured in a CUDA graph.", int),
     Flag(("--disable-cuda-graph",), "runtime", "disable_cuda_graph", "Run every pass eagerly.", store_true=True),
-    Flag(("--num-threads",), "runtime", "num_threads", "CPU threads for torch.", int),
+    Flag(("--num-threads",), "runtime", "num_threads",
+         "CPU threads for torch (per rank; default: torch's, divided among this node's tensor-parallel ranks).", int),
+    Flag(("--tp-size", "--tensor-parallel-size"), "parallel", "tp_size",
+         "Tensor-parallel ranks: the model's heads, rows and vocabulary split across this many GPUs (gloo ranks "
+         "on the CPU).", int),
+    Flag(("--nnodes",), "parallel", "nnodes", "Nodes the tensor-parallel ranks span (--tp-size / --nnodes each).", int),
+    Flag(("--node-rank",), "parallel", "node_rank", "This node's index; node 0 serves HTTP.", int),
+    Flag(("--dist-init-addr",), "parallel", "dist_init_addr",
+         "HOST:PORT of node 0's rendezvous (torch.distributed's TCP store); needed with --nnodes above 1.", str),
+    Flag(("--dist-timeout",), "parallel", "dist_timeout",
+         "Seconds the ranks wait for each other in a collective or at the rendezvous before the server stops "
+         "with an error.", float),
 )
 
 

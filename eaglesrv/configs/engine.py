@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from eaglesrv.configs.cache import CacheConfig
 from eaglesrv.configs.model import ModelConfig
+from eaglesrv.configs.parallel import ParallelConfig
 from eaglesrv.configs.runtime import RuntimeConfig
 from eaglesrv.configs.scheduler import SchedulerConfig
 from eaglesrv.configs.speculative import SpeculativeConfig
@@ -18,3 +19,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

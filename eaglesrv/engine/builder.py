@@ -2,7 +2,8 @@
 tokenizer, the EAGLE-3 head, the KV pools, the attention backend, the step runner, the
 adaptive policy and the scheduler. Engine.__init__ calls build_engine once.
 
-    config -> device, dtype (placement.py) -> target model, tokenizer (loader/)
+    config -> device, dtype (placement.py) -> tensor-parallel group (parallel/), with more than one rank
+           -> target model (this rank's shard), tokenizer (loader/)
            -> draft head (eagle3/head_io.py)  -> attention backend, checked on the device
            -> KV pool size (placement.kv_pool_pages, less what the graphs keep)
            -> KV pools -> graphs, captured (CUDA): plain decoding's, or EAGLE-3's tree step and
@@ -36,6 +37,9 @@ from eaglesrv.engine.loader import resolve_model
 from eaglesrv.engine.model.arch import ModelArch
 from eaglesrv.engine.model.cpu_layout import wants_input_major
 from eaglesrv.engine.model.llama import LlamaForCausalLM
+from eaglesrv.engine.model.sharding import check_divisible
+from eaglesrv.engine.parallel.group import TensorParallel, connect
+from eaglesrv.engine.parallel.ranks import SINGLE, RankPlacement
 from eaglesrv.engine.placement import EngineSetupError, kv_pool_pages, resolve_device, resolve_dtype
 from eaglesrv.engine.plain_runner import PlainRunner
 from eaglesrv.engine.step_runner import StepRunner
@@ -60,12 +64,14 @@ class EngineParts:
     max_context_len: int  # positions a sequence may reach: the model's, capped by the draft's table
     runner: StepRunner
     scheduler: Scheduler
+    tp: TensorParallel  # this process's place in the tensor-parallel group (one rank: a pass-through)
 
 
-def build_engine(config: EngineConfig) -> EngineParts:
-    if config.runtime.num_threads:
-        torch.set_num_threads(config.runtime.num_threads)
-    device = resolve_device(config.runtime)
+def build_engine(config: EngineConfig, placement: RankPlacement = SINGLE) -> EngineParts:
+    """The engine of one process: with tensor parallelism, of one rank (every rank calls this
+    with the same config; rank 0's scheduler is the one that schedules)."""
+    device = _rank_device(resolve_device(config.runtime), placement)
+    _set_threads(config, device, placement)
     if device.type == "cpu":
         keep_freed_memory()
     spec = config.speculative
@@ -76,8 +82,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     logger.info("Loading %s", source.description)
     arch = ModelArch.from_hf_config(source.hf_config)
+    check_divisible(arch, placement.size)  # before the rendezvous: every rank refuses alike, none waits
+    tp = connect(placement, device, config.parallel.dist_timeout)
     dtype = resolve_dtype(config.model, source.hf_config, device)
-    model = _build_model(arch, dtype, device, source.iter_weights, config.model.random_seed)
+    model = _build_model(arch, dtype, device, source.iter_weights, config.model.random_seed, tp)
     tokenizer = None
     if source.load_tokenizer is not None and not config.model.skip_tokenizer_init:
         tokenizer = source.load_tokenizer()
@@ -85,8 +93,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
     draft = None
     if spec.enabled:
+        # The head runs whole on every rank (replicated): a one-layer pass costs less than the
+        # all-reduces a sharded one would add to each of its several passes per step.
         draft = load_draft_head(
-            draft_path, arch, model.model.embed_tokens.weight.detach(), dtype, device,
+            draft_path, arch, model.full_embedding(), dtype, device,
             random_seed=config.model.random_seed if draft_path is None else None,
         )
         # Every position a request may reach must be in both rotary tables.
@@ -94,21 +104,25 @@ def build_engine(config: EngineConfig) -> EngineParts:
     adaptive = spec.enabled and spec.adaptive
     feature_width = draft.fc.in_features if adaptive else 0  # a row of the adaptive feature pool
     page_size = config.cache.page_size
-    head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (arch, draft.config.arch if draft else None) if a]
+    shard = model.shard  # this rank's heads: its KV pool and attention kernels hold only those
+    head_shapes = [(a.num_heads, a.num_kv_heads, a.head_dim) for a in (shard, draft.config.arch if draft else None)
+                   if a]
     attention = select_attention_backend(config.runtime.attention_backend, page_size, device, head_shapes, dtype)
     graph_batch = _graph_batch_size(config, device, attention)
     max_pages = -(-max_context_len // page_size)  # the widest block table a graph takes
     tree = TreeShape.from_config(spec) if draft is not None else None
     # What the graphs keep: the target's pass at the top rung, over every tree node with EAGLE-3
     # (its draft passes and extend are far smaller).
-    num_pages = kv_pool_pages(
-        config.cache, arch, dtype, device, _weight_bytes(model, draft),
+    # Every rank must have as many pages (rank 0's scheduler hands them out for all).
+    num_pages = tp.smallest(kv_pool_pages(
+        config.cache, shard, dtype, device, _weight_bytes(model, draft),
         extra_bytes_per_token=(KVPool.bytes_per_token(draft.config.arch, dtype) if draft is not None else 0)
         + FeaturePool.bytes_per_token(feature_width, dtype),
-        reserved_bytes=decode_graph_bytes(arch, dtype, graph_batch * (tree.nodes if tree else 1), attention,
+        reserved_bytes=decode_graph_bytes(shard, dtype, graph_batch * (tree.nodes if tree else 1), attention,
                                           max_pages * page_size) if graph_batch else 0,
-    )
-    kv = KVPool(arch, num_pages, page_size, dtype, device)
+        ranks_sharing_host=placement.ranks_per_node,
+    ))
+    kv = KVPool(shard, num_pages, page_size, dtype, device)
     if draft is None:
         graphs = None if graph_batch is None else DecodeGraphs(model, kv, attention, device, graph_batch, max_pages)
         runner: StepRunner = PlainRunner(model, kv, attention, device, _captured(graphs, device, "decode graphs"))
@@ -135,10 +149,27 @@ def build_engine(config: EngineConfig) -> EngineParts:
             " (the largest a step may use)" if adaptive else " (every step)", runner.capture_layers,
         )
     logger.info(
-        "Engine ready: %s, %d layers, %s on %s, context %d, attention %s",
+        "Engine ready: %s, %d layers, %s on %s, context %d, attention %s%s",
         arch.family, arch.num_layers, dtype, device, max_context_len, attention.name,
+        f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
     )
-    return EngineParts(device, dtype, arch, model, tokenizer, eos_token_ids, max_context_len, runner, scheduler)
+    return EngineParts(device, dtype, arch, model, tokenizer, eos_token_ids, max_context_len, runner, scheduler, tp)
+
+
+def _rank_device(device: torch.device, placement: RankPlacement) -> torch.device:
+    """Each rank of a node on its own GPU (local rank); CPU ranks share the host."""
+    if device.type != "cuda" or placement.size == 1:
+        return device
+    torch.cuda.set_device(placement.local_rank)
+    return torch.device("cuda", placement.local_rank)
+
+
+def _set_threads(config: EngineConfig, device: torch.device, placement: RankPlacement) -> None:
+    """--num-threads, or on the CPU with several ranks here, the cores shared among them."""
+    if config.runtime.num_threads:
+        torch.set_num_threads(config.runtime.num_threads)
+    elif device.type == "cpu" and placement.ranks_per_node > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // placement.ranks_per_node))
 
 
 def _graph_batch_size(config: EngineConfig, device: torch.device, attention: AttentionBackend) -> int | None:
@@ -166,16 +197,19 @@ def _captured(graphs, device: torch.device, what: str):
     return graphs
 
 
-def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter_weights, seed: int):
+def _build_model(arch: ModelArch, dtype: torch.dtype, device: torch.device, iter_weights, seed: int,
+                 tp: TensorParallel):
     started = time.monotonic()
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch)
+        model = LlamaForCausalLM(arch, tp)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary_emb.reset_tables()  # to_empty left the non-persistent tables blank
     if iter_weights is None:
         model.init_dummy_weights(seed)
-    else:
+    elif tp.size == 1:
         model.load_weights(iter_weights())
+    else:
+        model.load_weights(iter_weights(model.checkpoint_slice))  # this rank's slices alone
     if wants_input_major(dtype, device):
         model.use_input_major_weights()
     logger.info("Weights ready in %.1f s", time.monotonic() - started)

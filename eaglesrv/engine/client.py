@@ -15,6 +15,10 @@ between steps). The stream table and futures live on the event loop thread alone
 Leaving a stream early (client gone, stop string matched, task cancelled) sends
 AbortRequest, so the engine frees the request's pages at its next step. The watchdog
 (`watchdog()`, a task the server runs) notices an engine that has stopped answering.
+
+With tensor parallelism spawn() starts this node's other ranks too (they talk to rank 0
+only, through torch.distributed); a third thread waits on them, so a rank that exits ends
+the engine for the server at once, and shutdown() leaves none behind.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import queue
 import threading
@@ -31,6 +36,8 @@ from typing import AsyncIterator, Callable
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine import protocol as msg
+from eaglesrv.engine.parallel.followers import start_followers
+from eaglesrv.engine.parallel.ranks import node_placements
 from eaglesrv.engine.process import engine_process_main
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.scheduler import RequestRejected
@@ -56,8 +63,10 @@ PING_QUERY_ID = -1  # a stats query nobody waits for: its reply only shows the e
 
 
 class EngineClient:
-    def __init__(self, process, to_engine, from_engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, process, to_engine, from_engine, loop: asyncio.AbstractEventLoop,
+                 followers: list | None = None) -> None:
         self._process = process
+        self._followers = followers or []  # the other tensor-parallel ranks on this node
         self._to_engine = to_engine
         self._from_engine = from_engine
         self._loop = loop
@@ -78,6 +87,8 @@ class EngineClient:
         self._writer = threading.Thread(target=self._write_loop, name="eaglesrv-engine-writer", daemon=True)
         self._reader.start()
         self._writer.start()
+        if self._followers:
+            threading.Thread(target=self._watch_followers, name="eaglesrv-rank-watch", daemon=True).start()
 
     @classmethod
     def spawn(cls, config: EngineConfig, log_level: str = "info") -> "EngineClient":
@@ -85,15 +96,17 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")  # no fork: torch and threads do not survive it
         engine_inbox, to_engine = ctx.Pipe(duplex=False)
         from_engine, engine_outbox = ctx.Pipe(duplex=False)
+        leader, *others = node_placements(config.parallel)
+        followers = start_followers(config, others, log_level)
         process = ctx.Process(
-            target=engine_process_main, args=(config, log_level, engine_inbox, engine_outbox),
+            target=engine_process_main, args=(config, log_level, engine_inbox, engine_outbox, leader),
             name="eaglesrv-engine", daemon=True,
         )
         process.start()
         # Our copies of the engine's ends must go, or we would never see EOF when it dies.
         engine_inbox.close()
         engine_outbox.close()
-        return cls(process, to_engine, from_engine, asyncio.get_running_loop())
+        return cls(process, to_engine, from_engine, asyncio.get_running_loop(), followers)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def wait_ready(self) -> tuple[msg.EngineInfo, object | None]:
@@ -122,6 +135,12 @@ class EngineClient:
                 logger.warning("engine process did not exit within %.0f s; killing it", timeout_s)
             self._process.kill()  # still loading: it holds no requests, and would not read Shutdown yet
             self._process.join(5.0)
+        for follower in self._followers:  # rank 0 stopped them on its way out, unless it failed
+            follower.join(timeout_s if self._process.exitcode == 0 else 1.0)
+            if follower.is_alive():
+                logger.warning("%s did not exit; killing it", follower.name)
+                follower.kill()
+                follower.join(5.0)
         self._outgoing.put(None)
         self._writer.join(5.0)
         self._to_engine.close()
@@ -217,6 +236,17 @@ class EngineClient:
             self._process.join(5.0)
             reason = f"the engine process exited (exit code {self._process.exitcode})"
         self._call_on_loop(self._mark_dead, reason)
+
+    def _watch_followers(self) -> None:
+        """Rank-watch thread: the first other rank to exit ends the engine for the server."""
+        by_sentinel = {follower.sentinel: follower for follower in self._followers}
+        gone = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
+        gone.join(1.0)
+        if not self._loaded:
+            self._process.join(2.0)  # a failed start-up fails every rank: rank 0's own report says more
+        if not self._closing:
+            self._call_on_loop(self._mark_dead,
+                               f"the tensor-parallel process {gone.name} exited (exit code {gone.exitcode})")
 
     def _call_on_loop(self, fn, *args) -> None:
         try:

@@ -2,6 +2,10 @@
 
     engine = Engine(EngineConfig(model=ModelConfig(dtype="float32")))
     results = engine.generate(["The capital of France is"], SamplingParams(temperature=0))
+
+With tensor parallelism (config.parallel.tp_size > 1) this is rank 0: it schedules, and
+every step it runs is sent to the other ranks first (parallel/followers.py). Created
+alone, it starts them itself; close() stops them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine.builder import build_engine
+from eaglesrv.engine.parallel.followers import Followers, start_followers
+from eaglesrv.engine.parallel.ranks import RankPlacement, node_placements
 from eaglesrv.engine.stats_logger import StepStatsLogger
 from eaglesrv.sampling_params import SamplingParams
 from eaglesrv.scheduler import Request, RequestOutput, RequestRejected
@@ -40,9 +46,23 @@ class GenerationResult:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, placement: RankPlacement | None = None) -> None:
+        """placement: rank 0's, when whoever made this process started the other ranks too
+        (EngineClient.spawn); None: this engine starts them (with more than one rank)."""
         self.config = config or EngineConfig()
-        parts = build_engine(self.config)
+        started = []
+        if placement is None:
+            placement, *others = node_placements(self.config.parallel)
+            if not placement.is_leader:
+                raise ValueError("an Engine is rank 0: on other nodes, ranks start with launch.py --node-rank")
+            started = start_followers(self.config, others, logging.getLevelName(logging.getLogger().level))
+        try:
+            parts = build_engine(self.config, placement)
+        except BaseException:
+            for process in started:
+                process.kill()
+            raise
+        self.followers = Followers(parts.tp, started)
         self.device, self.dtype, self.arch = parts.device, parts.dtype, parts.arch
         self.model, self.tokenizer, self.eos_token_ids = parts.model, parts.tokenizer, parts.eos_token_ids
         self.max_context_len = parts.max_context_len
@@ -89,7 +109,9 @@ class Engine:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         if not batch.is_empty:
+            self.followers.step(batch)
             step = self.runner.run(batch)
+            self.followers.stepped(step)
             outputs += self.scheduler.update(batch, step.sampled, step.prompt_logprobs, step.reusable_tokens)
         self._forget_finished(outputs)
         self._stats_logger.record(
@@ -167,7 +189,12 @@ class Engine:
     def warmup(self) -> None:
         """One short generation, so the first real request does not pay for kernel set-up."""
         self.generate([[0] * 4], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        self.followers.after_warmup()
         self.runner.after_warmup()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (nothing with one rank)."""
+        self.followers.stop()
 
     # ---- text -----------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -194,6 +221,7 @@ class Engine:
         if finished:
             with self._inbox_lock:
                 self._known_ids.difference_update(finished)
+            self.followers.release(finished)
             self.runner.release(finished)
 
     @property
@@ -210,6 +238,8 @@ class Engine:
         are borrowed from the scheduler for the call; refused while requests are in flight."""
         if self.has_unfinished:
             raise RuntimeError("forward_sequences needs an idle engine: requests are in flight")
+        if self.followers.tp.size > 1:
+            raise RuntimeError("forward_sequences runs on one rank: not under tensor parallelism")
         sizes = [-(-len(tokens) // self.scheduler.page_size) for tokens in sequences]
         self.scheduler.reclaim(sum(sizes))
         with self.scheduler.pages.borrowed(sizes) as page_tables:

@@ -74,16 +74,20 @@ def kv_pool_pages(
     extra_bytes_per_token: int = 0,
     reserved_bytes: int = 0,
     probe: MemoryProbe | None = None,
+    ranks_sharing_host: int = 1,
 ) -> int:
     """How many pages the KV pool gets, from --max-total-tokens or the memory fraction.
     extra_bytes_per_token: other pools indexed by the same pages (the draft's KV, the
     adaptive backlog's features). reserved_bytes: what must stay free for later inside the
-    fraction (the graphs' memory pool). probe: the CUDA memory probe (tests pass a fake)."""
+    fraction (the graphs' memory pool). probe: the CUDA memory probe (tests pass a fake).
+    ranks_sharing_host: tensor-parallel ranks on this host, which share its memory on the CPU
+    (the fraction is of the host's, for all of them; on CUDA each rank has its own GPU)."""
     per_token = KVPool.bytes_per_token(arch, dtype) + extra_bytes_per_token
     if cache.max_total_tokens is not None:
         tokens = cache.max_total_tokens
     else:
-        budget, spent = _memory_budget(cache, device, weight_bytes, reserved_bytes, probe or torch.cuda.mem_get_info)
+        budget, spent = _memory_budget(cache, device, weight_bytes, reserved_bytes, probe or torch.cuda.mem_get_info,
+                                       ranks_sharing_host)
         tokens = max(0, int(budget // per_token))
         if tokens < cache.page_size:
             raise EngineSetupError(
@@ -102,7 +106,7 @@ def kv_pool_pages(
 
 
 def _memory_budget(cache: CacheConfig, device: torch.device, weight_bytes: int, reserved_bytes: int,
-                   probe: MemoryProbe) -> tuple[float, str]:
+                   probe: MemoryProbe, ranks_sharing_host: int = 1) -> tuple[float, str]:
     """Bytes left for the KV pools, and how the fraction was spent (for the error message)."""
     gib = 2**30
     if device.type == "cuda":
@@ -114,9 +118,11 @@ def _memory_budget(cache: CacheConfig, device: torch.device, weight_bytes: int, 
         budget = total * fraction - resident
     else:
         fraction = cache.mem_fraction_static or CPU_DEFAULT_MEM_FRACTION
-        available = _available_host_memory()
+        available = _available_host_memory() / ranks_sharing_host
+        shared = f" (a share of {ranks_sharing_host} tensor-parallel ranks)" if ranks_sharing_host > 1 else ""
         spent = (f"--mem-fraction-static {fraction} allows {available * fraction / gib:.2f} GiB of the "
-                 f"{available / gib:.2f} GiB of host memory available; the weights take {weight_bytes / gib:.2f} GiB")
+                 f"{available / gib:.2f} GiB of host memory available{shared}; the weights take "
+                 f"{weight_bytes / gib:.2f} GiB")
         budget = available * fraction - weight_bytes
     if reserved_bytes:
         spent += f" and the graphs {reserved_bytes / gib:.2f} GiB"

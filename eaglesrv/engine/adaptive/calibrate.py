@@ -20,6 +20,9 @@ measured again when it prices a step more than STALE_TOLERANCE above a fresh tim
 check is one-sided because timing noise is: a busy machine only makes passes slower, so a
 fresh timing below the cached price shows the cache was measured busy, while one above it
 shows only that the machine is busy now, which the learnt correction absorbs.
+
+Under tensor parallelism every rank runs the same timed passes (their collectives pair
+up), and rank 0's cache, spot check and timings decide for all (TensorParallel.leader_value).
 """
 
 from __future__ import annotations
@@ -55,18 +58,24 @@ SPOT_CHECK_REPEATS = 10  # sweeps of the spot check's passes; each pass's fastes
 
 def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: Path | None = None) -> CostModel:
     """The cached cost model for this engine, measuring it first if there is none."""
+    tp = runner.target.tp
     context = measuring_context(runner, pages.num_free)
     path = (cache_dir or default_cache_dir() / "cost_models") / f"{_cache_key(runner, context)}.json"
-    if path.exists():
-        model = CostModel.from_json(json.loads(path.read_text()))
-        overpricing = _overpricing(runner, pages, context, model)
+    cached = tp.leader_value(lambda: path.read_text() if path.exists() else None)
+    if cached is not None:
+        model = CostModel.from_json(json.loads(cached))
+        measured = _overpricing(runner, pages, context, model)
+        overpricing = tp.leader_value(lambda: measured)
         if overpricing <= STALE_TOLERANCE:
             logger.info("Speculation cost model: loaded %s (it holds against a spot check)", path)
             return model
         logger.warning("Speculation cost model: the cached %s prices a step %.0f%% above a fresh timing (it was "
                        "measured while the machine was busy); measuring it again", path, 100 * overpricing)
     started = time.monotonic()
-    model = measure(runner, pages, max_requests, context)
+    measured = measure(runner, pages, max_requests, context)
+    model = tp.leader_value(lambda: measured)
+    if not tp.is_leader:
+        return model
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(model.to_json(), indent=1))
@@ -235,6 +244,8 @@ def _cache_key(runner, context: int) -> str:
         "largest": [runner.largest.steps, runner.largest.topk, runner.largest.nodes],
         "torch": torch.__version__,
     }
+    if runner.target.tp.size > 1:
+        described["tp_size"] = runner.target.tp.size
     if context != CONTEXT_TOKENS:  # a model measured in a tiny pool is not reused by a normal one
         described["context"] = context
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -161,7 +161,8 @@ class Eagle3Runner(StepRunner):
         if self.adaptive is None:
             shape, speculating = self.largest, eligible
         else:
-            decision = self._decide(seqs, eligible)
+            # Timed costs feed the decision: rank 0 makes it for every tensor-parallel rank.
+            decision = self.target.tp.leader_value(lambda: self._decide(seqs, eligible))
             shape, speculating = decision.shape, sorted(eligible[k] for k in decision.speculating)
         if speculating and self.adaptive is not None:
             self._catch_up([seqs[i] for i in speculating])  # 0. draft up to date first (timed apart)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError
-from .source import ModelSource, WeightStream
+from .source import ModelSource, SliceChooser, TensorSlice, WeightStream, choose_slice
 
 logger = logging.getLogger(__name__)
 
@@ -156,26 +156,67 @@ def gguf_config(reader: Any, path: Path) -> dict[str, Any]:
     return config
 
 
-def iter_gguf_weights(reader: Any, config: dict[str, Any], permuted: bool) -> WeightStream:
-    """Yield (HF name, float32 tensor) for every GGUF tensor, dequantized one at a time."""
+def read_values(tensor: Any, shape: tuple[int, ...], chosen: TensorSlice) -> np.ndarray:
+    """The float32 values of a GGUF tensor in its HF shape, or of the `chosen` slice of them.
+
+    tensor.data is a view of the memory-mapped file in HF axis order whose last axis counts
+    raw units (bytes for quantized types), so slicing it before dequantizing reads only
+    the rows (or whole blocks of columns) that are wanted.
+    """
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
+    # cut_after: the slice still to take after dequantizing (None once the raw data was cut).
+    data, out_shape, cut_after = tensor.data, list(shape), chosen
+    if chosen is not None:
+        dim, start, length = chosen
+        block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+        if dim == 0 and len(shape) > 1:  # whole rows
+            data, cut_after = data[start:start + length], None
+        elif dim == len(shape) - 1 and start % block == 0 and length % block == 0:
+            per_block = data.shape[-1] // (shape[-1] // block)  # raw units per quant block
+            data, cut_after = data[..., start // block * per_block:(start + length) // block * per_block], None
+        # Otherwise (columns that cut through quant blocks, or a middle axis) dequantize it all, then slice.
+        if cut_after is None:
+            out_shape[dim] = length
+    try:
+        values = dequantize(np.ascontiguousarray(data), tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+    values = values.reshape(out_shape)
+    if cut_after is not None:
+        dim, start, length = cut_after
+        values = values[(slice(None),) * dim + (slice(start, start + length),)]
+    # F32 values are read-only views of the memory-mapped file, and a column slice is not contiguous.
+    if not (values.flags.writeable and values.flags.c_contiguous):
+        values = np.array(values, order="C")
+    return values.astype(np.float32, copy=False)
+
+
+def iter_gguf_weights(
+    reader: Any, config: dict[str, Any], permuted: bool, choose: SliceChooser | None = None
+) -> WeightStream:
+    """Yield (HF name, float32 tensor) for every GGUF tensor, or the slice `choose` picks, one at a time."""
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        try:
-            values = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
-        values = values.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if not values.flags.writeable:  # F32 tensors are read-only views of the memory-mapped file
-            values = values.copy()
-        weight = torch.from_numpy(values.astype(np.float32, copy=False))
-        proj = name.split(".")[-2]
-        if permuted and proj in heads:
-            weight = unpermute_rotary(weight, heads[proj])
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        chosen = choose_slice(choose, name, shape)
+        n_heads = heads.get(name.split(".")[-2]) if permuted else None
+        if n_heads and chosen is not None and chosen[0] == 0:
+            # The permutation is per head, so a row slice must hold whole heads to be undone.
+            head_dim = shape[0] // n_heads
+            _, start, length = chosen
+            if start % head_dim or length % head_dim:
+                raise ModelLoadError(
+                    f"slice {chosen} of tensor {name}: rows must be whole heads (multiples of head_dim {head_dim})"
+                )
+            n_heads = length // head_dim
+        weight = torch.from_numpy(read_values(tensor, shape, chosen))
+        if n_heads:
+            weight = unpermute_rotary(weight, n_heads)
         yield name, weight
 
 
@@ -234,7 +275,7 @@ def load_gguf(path: Path, load_format: str) -> ModelSource:
         hf_tensor_name(tensor.name)
     iter_weights = None
     if load_format != "dummy":
-        iter_weights = lambda: iter_gguf_weights(reader, config, permuted)  # noqa: E731
+        iter_weights = lambda choose=None: iter_gguf_weights(reader, config, permuted, choose)  # noqa: E731
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     return ModelSource(

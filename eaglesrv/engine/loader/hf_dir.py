@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from .errors import ModelLoadError
-from .source import ModelSource, WeightStream
+from .source import ModelSource, SliceChooser, WeightStream, choose_slice
 
 logger = logging.getLogger(__name__)
 
@@ -78,24 +78,36 @@ def find_weight_files(directory: Path, load_format: str) -> tuple[str, list[Path
     )
 
 
-def iter_safetensors(files: list[Path]) -> WeightStream:
+def iter_safetensors(files: list[Path], choose: SliceChooser | None = None) -> WeightStream:
     from safetensors import safe_open
 
     for path in files:
-        # safe_open memory-maps the file, so each tensor is read only when asked for.
+        # safe_open memory-maps the file, so each tensor (or slice of one) is read only when asked for.
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                part = f.get_slice(name)
+                chosen = choose_slice(choose, name, tuple(part.get_shape()))
+                if chosen is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, length = chosen
+                index = (slice(None),) * dim + (slice(start, start + length),)
+                yield name, part[index].contiguous()
 
 
-def iter_torch_bin(files: list[Path]) -> WeightStream:
+def iter_torch_bin(files: list[Path], choose: SliceChooser | None = None) -> WeightStream:
     for path in files:
         # weights_only: a .bin is a pickle, and unpickling arbitrary objects runs code.
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:  # files from torch < 1.6 (legacy format) cannot be memory-mapped
             state = torch.load(path, map_location="cpu", weights_only=True)
-        yield from state.items()
+        for name, tensor in state.items():
+            chosen = choose_slice(choose, name, tuple(tensor.shape))
+            if chosen is not None:
+                # A copy, even of a contiguous slice: a view would keep the whole mapping alive.
+                tensor = tensor.narrow(*chosen).clone(memory_format=torch.contiguous_format)
+            yield name, tensor
         del state
 
 
@@ -106,11 +118,11 @@ def load_hf_dir(directory: Path, load_format: str, description: str = "") -> Mod
     if (directory / "generation_config.json").is_file():
         generation_config = read_json(directory / "generation_config.json")
 
-    iter_weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = None
+    iter_weights: Callable[..., WeightStream] | None = None
     if load_format != "dummy":
         fmt, files = find_weight_files(directory, load_format)
         reader = iter_safetensors if fmt == "safetensors" else iter_torch_bin
-        iter_weights = lambda: reader(files)  # noqa: E731 - a fresh stream per call
+        iter_weights = lambda choose=None: reader(files, choose)  # noqa: E731 - a fresh stream per call
         logger.info("Weights: %d %s file(s) in %s", len(files), fmt, directory)
 
     tokenizer = hf_tokenizer_loader(directory) if has_tokenizer_files(directory) else None

@@ -1,0 +1,178 @@
+"""Ranks other than 0 ("followers"): each builds the same engine on its shard and runs every
+step rank 0 runs, told what to run over the control group.
+
+    rank 0 (Engine)                            a follower (follow())
+    batch = scheduler.schedule()
+    followers.step(batch) ----- Step ------->  runner.run(batch)
+    runner.run(batch)                          (the passes' collectives pair up)
+    scheduler.update(...)
+    followers.release(ids) ---- Release ---->  runner.release(ids)
+    followers.stop() ---------- Stop ------->  exits 0
+
+A follower's runner must run every pass rank 0's runs, in the same order, or collectives
+would pair up wrong: so nothing reaches its runner but these commands, and what rank 0
+decides from timings (adaptive speculation) reaches it through TensorParallel.leader_value.
+Each Step carries a digest of the tokens rank 0 sampled the step before; a follower whose
+own tokens differ stops with an error rather than go on from a KV cache that has diverged.
+
+Nothing here imports torch at module level: the API process starts followers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import signal
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from eaglesrv.configs import EngineConfig
+from eaglesrv.engine.parallel.ranks import RankPlacement, node_placements
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Step:
+    batch: Any  # ScheduledBatch
+    previous_digest: int | None  # sampled_digest of rank 0's step before; None: no step yet
+
+
+@dataclass(frozen=True)
+class Release:
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AfterWarmup:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+def sampled_digest(results) -> int:
+    """A checksum of the tokens a step sampled (StepResults), for rank agreement."""
+    return zlib.crc32(repr([result.token_ids for result in results.sampled]).encode())
+
+
+class Followers:
+    """Rank 0's side: sends the commands. With one rank every call does nothing."""
+
+    def __init__(self, tp, processes: list | None = None) -> None:
+        self.tp = tp
+        self._processes = processes or []  # followers this process started (in-process Engine), joined at stop
+        self._digest: int | None = None
+
+    def step(self, batch) -> None:
+        if self.tp.size > 1:
+            self._send(Step(batch, self._digest))
+
+    def stepped(self, results) -> None:
+        """What rank 0's runner returned, for the next Step's digest."""
+        if self.tp.size > 1:
+            self._digest = sampled_digest(results)
+
+    def release(self, request_ids: list[str]) -> None:
+        if self.tp.size > 1:
+            self._send(Release(list(request_ids)))
+
+    def after_warmup(self) -> None:
+        if self.tp.size > 1:
+            self._send(AfterWarmup())
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.tp.size > 1:
+            try:
+                self._send(Stop())
+            except RuntimeError:  # RanksLost: a follower is gone already, nothing to stop
+                pass
+        for process in self._processes:
+            process.join(timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+        self.tp.close()
+
+    def _send(self, command) -> None:
+        self.tp.leader_value(lambda: command)
+
+
+def follow(runner, tp) -> None:
+    """A follower's loop: run rank 0's commands until Stop."""
+    digest = None
+    while True:
+        command = tp.leader_value(lambda: None)
+        if isinstance(command, Stop):
+            return
+        if isinstance(command, Step):
+            if command.previous_digest is not None and command.previous_digest != digest:
+                raise RuntimeError(f"tensor-parallel rank {tp.rank} sampled other tokens than rank 0 in the last "
+                                   "step: the ranks' KV caches have diverged")
+            digest = sampled_digest(runner.run(command.batch))
+        elif isinstance(command, Release):
+            runner.release(command.request_ids)
+        elif isinstance(command, AfterWarmup):
+            runner.after_warmup()
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {command!r}")
+
+
+def follower_main(config: EngineConfig, placement: RankPlacement, log_level: str) -> None:
+    """Entry point of a follower process: build this rank's engine, then follow rank 0."""
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [rank {placement.rank}] %(name)s: %(message)s")
+    from eaglesrv.engine.builder import build_engine  # torch, here only
+
+    try:
+        parts = build_engine(config, placement)
+        gc.collect()
+        gc.freeze()
+        follow(parts.runner, parts.tp)
+    except BaseException as exc:  # noqa: BLE001 - rank 0 hears of it through its next collective
+        logger.error("tensor-parallel rank %d failed: %s: %s", placement.rank, type(exc).__name__, exc,
+                     exc_info=not isinstance(exc, RuntimeError))
+        sys.exit(1)
+    parts.tp.close()
+
+
+def start_followers(config: EngineConfig, placements: list[RankPlacement], log_level: str) -> list:
+    """One process per placement (never rank 0's), started now; they wait at the rendezvous."""
+    ctx = multiprocessing.get_context("spawn")
+    processes = []
+    for placement in placements:
+        process = ctx.Process(target=follower_main, args=(config, placement, log_level),
+                              name=f"eaglesrv-rank-{placement.rank}", daemon=True)
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def run_other_node(config: EngineConfig, log_level: str) -> int:
+    """A node other than 0 (launch.py --node-rank N): run its ranks, no HTTP, until they
+    end (rank 0 stops them when the server shuts down); 1 if any failed. SIGTERM or
+    SIGINT here stops them at once (and so the server, whose collectives then fail)."""
+    placements = node_placements(config.parallel)
+    logger.info("node %d: tensor-parallel ranks %d..%d, meeting rank 0 at %s", config.parallel.node_rank,
+                placements[0].rank, placements[-1].rank, placements[0].init_method)
+    processes = start_followers(config, placements, log_level)
+
+    def stop(signum, frame) -> None:
+        for process in processes:
+            process.kill()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    failed = []
+    for process in processes:
+        process.join()
+        if process.exitcode != 0:
+            failed.append(f"{process.name} (exit code {process.exitcode})")
+    if failed:
+        logger.error("node %d: %s failed", config.parallel.node_rank, ", ".join(failed))
+    return 1 if failed else 0
