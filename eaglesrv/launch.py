@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     report_ignored_flags(engine_config)
     if engine_config.parallel.node_rank > 0:  # tensor-parallel ranks only: node 0 serves
-        from eaglesrv.engine.parallel.followers import run_other_node
+        from eaglesrv.engine.follower_process import run_other_node
 
         return run_other_node(engine_config, server_config.log_level)
     try:

@@ -42,13 +42,14 @@ def test_seed_command_parses_and_ignored_flags_are_named(caplog):
     assert engine.cache.mem_fraction_static == 0.6  # --mem-fraction abbreviates --mem-fraction-static
     assert (engine.speculative.algorithm, engine.speculative.num_draft_tokens) == ("EAGLE3", 32)
     assert engine.runtime.cuda_graph_max_bs == 2 and engine.model.dtype == "float16"
-    with caplog.at_level(logging.WARNING):
-        notices = report_ignored_flags(engine)
-    assert notices == ["CUDA graphs cover plain decoding only so far: with --speculative-algorithm every step runs "
-                       "eagerly, and --cuda-graph-max-bs and --disable-cuda-graph have no effect"]
-    assert "CUDA graphs cover plain decoding only" in caplog.text
+    assert report_ignored_flags(engine) == []  # EAGLE-3's steps run in CUDA graphs too: --cuda-graph-max-bs counts
     plain = engine_config_from_args(build_parser().parse_args(["--cuda-graph-max-bs", "8"]))
     assert report_ignored_flags(plain) == []  # plain decoding captures its graphs
+    alone = engine_config_from_args(build_parser().parse_args(["--dist-init-addr", "10.0.0.1:5000"]))
+    with caplog.at_level(logging.WARNING):
+        assert report_ignored_flags(alone) == ["--dist-init-addr and --dist-timeout are ignored without --tp-size "
+                                               "above 1"]
+    assert "--dist-init-addr and --dist-timeout are ignored" in caplog.text
     spec_flags_alone = engine_config_from_args(build_parser().parse_args(["--speculative-num-steps", "3"]))
     assert report_ignored_flags(spec_flags_alone) == [
         "--speculative-* flags are ignored without --speculative-algorithm"

@@ -6,6 +6,7 @@ and leaves no process behind; ranks on a second "node" (a second launch, --node-
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -114,13 +115,19 @@ def default_model_answers(live_server) -> list[str]:
     return [_chat(_openai(live_server), question) for question in QUESTIONS]
 
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about rivers."]
+# The last one under a JSON schema: every rank masks its logits and verifies its trees with
+# the grammar, and the masks must agree.
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rivers.", "Describe Paris as JSON."]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer"}}, "required": ["city", "population"]}
 
 
 def _chat(client: openai.OpenAI, question: str) -> str:
     model = client.models.list().data[0].id
+    structured = {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}}
     response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                              temperature=0, max_tokens=40)
+                                              temperature=0, max_tokens=40,
+                                              **(structured if "JSON" in question else {}))
     return response.choices[0].message.content
 
 
@@ -135,6 +142,7 @@ def test_default_model_split_over_three_ranks_answers_as_one_rank(default_model_
     finally:
         assert server.stop() == 0
     assert answers == default_model_answers
+    assert json.loads(answers[-1]).keys() == {"city", "population"}
     if mode != "plain":
         # The shipped head accepts several tokens a step here, so trees really are verified across ranks.
         assert info["internal_states"][0]["avg_spec_accept_length"] > 1.5

@@ -36,7 +36,7 @@ from typing import AsyncIterator, Callable
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine import protocol as msg
-from eaglesrv.engine.parallel.followers import start_followers
+from eaglesrv.engine.follower_process import start_followers
 from eaglesrv.engine.parallel.ranks import node_placements
 from eaglesrv.engine.process import engine_process_main
 from eaglesrv.sampling_params import SamplingParams

@@ -21,7 +21,8 @@ import torch
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine.builder import build_engine
-from eaglesrv.engine.parallel.followers import Followers, start_followers
+from eaglesrv.engine.follower_process import start_followers
+from eaglesrv.engine.parallel.followers import Followers
 from eaglesrv.engine.parallel.ranks import RankPlacement, node_placements
 from eaglesrv.engine.stats_logger import StepStatsLogger
 from eaglesrv.sampling_params import SamplingParams

@@ -1,9 +1,9 @@
 """Flags that are accepted but have no effect (yet): the one place that says so at start-up.
 
 When a feature lands, delete its check here; nothing else in the server changes.
-- CUDA graphs for speculative steps: delete `_cuda_graphs` (plain decoding has them).
 EAGLE-3 has landed: --speculative-algorithm EAGLE3 reaches the engine as given, so only
---speculative-* flags without an algorithm are reported.
+--speculative-* flags without an algorithm are reported. So have CUDA graphs for EAGLE-3's
+steps. Flags that only matter with others are reported when given without them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from eaglesrv.configs import EngineConfig, SpeculativeConfig
+from eaglesrv.configs import EngineConfig, ParallelConfig, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +23,12 @@ def _speculation(config: EngineConfig) -> str | None:
     return None
 
 
-def _cuda_graphs(config: EngineConfig) -> str | None:
-    runtime = config.runtime
-    if config.speculative.enabled and (runtime.cuda_graph_max_bs is not None or runtime.disable_cuda_graph):
-        return ("CUDA graphs cover plain decoding only so far: with --speculative-algorithm every step runs "
-                "eagerly, and --cuda-graph-max-bs and --disable-cuda-graph have no effect")
+def _distributed_flags(config: EngineConfig) -> str | None:
+    parallel = config.parallel
+    defaults = ParallelConfig()
+    if parallel.tp_size == 1 and (parallel.dist_init_addr, parallel.dist_timeout) != (defaults.dist_init_addr,
+                                                                                      defaults.dist_timeout):
+        return "--dist-init-addr and --dist-timeout are ignored without --tp-size above 1"
     return None
 
 
@@ -38,7 +39,7 @@ def _memory_flags(config: EngineConfig) -> str | None:
     return None
 
 
-_CHECKS: tuple[Callable[[EngineConfig], str | None], ...] = (_speculation, _cuda_graphs, _memory_flags)
+_CHECKS: tuple[Callable[[EngineConfig], str | None], ...] = (_speculation, _distributed_flags, _memory_flags)
 
 
 def report_ignored_flags(config: EngineConfig) -> list[str]:

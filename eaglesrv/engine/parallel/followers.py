@@ -15,24 +15,15 @@ decides from timings (adaptive speculation) reaches it through TensorParallel.le
 Each Step carries a digest of the tokens rank 0 sampled the step before; a follower whose
 own tokens differ stops with an error rather than go on from a KV cache that has diverged.
 
-Nothing here imports torch at module level: the API process starts followers.
+A follower's process (its entry point, and the launch of a node's ranks) is
+engine/follower_process.py.
 """
 
 from __future__ import annotations
 
-import gc
-import logging
-import multiprocessing
-import signal
-import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
-
-from eaglesrv.configs import EngineConfig
-from eaglesrv.engine.parallel.ranks import RankPlacement, node_placements
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,58 +112,3 @@ def follow(runner, tp) -> None:
             runner.after_warmup()
         else:
             raise RuntimeError(f"unknown command from rank 0: {command!r}")
-
-
-def follower_main(config: EngineConfig, placement: RankPlacement, log_level: str) -> None:
-    """Entry point of a follower process: build this rank's engine, then follow rank 0."""
-    logging.basicConfig(level=log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [rank {placement.rank}] %(name)s: %(message)s")
-    from eaglesrv.engine.builder import build_engine  # torch, here only
-
-    try:
-        parts = build_engine(config, placement)
-        gc.collect()
-        gc.freeze()
-        follow(parts.runner, parts.tp)
-    except BaseException as exc:  # noqa: BLE001 - rank 0 hears of it through its next collective
-        logger.error("tensor-parallel rank %d failed: %s: %s", placement.rank, type(exc).__name__, exc,
-                     exc_info=not isinstance(exc, RuntimeError))
-        sys.exit(1)
-    parts.tp.close()
-
-
-def start_followers(config: EngineConfig, placements: list[RankPlacement], log_level: str) -> list:
-    """One process per placement (never rank 0's), started now; they wait at the rendezvous."""
-    ctx = multiprocessing.get_context("spawn")
-    processes = []
-    for placement in placements:
-        process = ctx.Process(target=follower_main, args=(config, placement, log_level),
-                              name=f"eaglesrv-rank-{placement.rank}", daemon=True)
-        process.start()
-        processes.append(process)
-    return processes
-
-
-def run_other_node(config: EngineConfig, log_level: str) -> int:
-    """A node other than 0 (launch.py --node-rank N): run its ranks, no HTTP, until they
-    end (rank 0 stops them when the server shuts down); 1 if any failed. SIGTERM or
-    SIGINT here stops them at once (and so the server, whose collectives then fail)."""
-    placements = node_placements(config.parallel)
-    logger.info("node %d: tensor-parallel ranks %d..%d, meeting rank 0 at %s", config.parallel.node_rank,
-                placements[0].rank, placements[-1].rank, placements[0].init_method)
-    processes = start_followers(config, placements, log_level)
-
-    def stop(signum, frame) -> None:
-        for process in processes:
-            process.kill()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    failed = []
-    for process in processes:
-        process.join()
-        if process.exitcode != 0:
-            failed.append(f"{process.name} (exit code {process.exitcode})")
-    if failed:
-        logger.error("node %d: %s failed", config.parallel.node_rank, ", ".join(failed))
-    return 1 if failed else 0
