@@ -184,7 +184,8 @@ def _matchers(model):
 
     from eaglesrv.engine.grammar_masks import GrammarMatchers
 
-    return GrammarMatchers(AutoTokenizer.from_pretrained(model[0]), VOCAB, [2])
+    tokenizer = AutoTokenizer.from_pretrained(model[0])
+    return GrammarMatchers(lambda: tokenizer, VOCAB, [2])
 
 
 def _seq(output, request_id="r"):

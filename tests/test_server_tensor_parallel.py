@@ -115,18 +115,21 @@ def default_model_answers(live_server) -> list[str]:
     return [_chat(_openai(live_server), question) for question in QUESTIONS]
 
 
-# The last one under a JSON schema: every rank masks its logits and verifies its trees with
-# the grammar, and the masks must agree.
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rivers.", "Describe Paris as JSON."]
+# The last question is asked under a JSON schema, in one mode (its first grammar makes every
+# other rank load a tokenizer, seconds on this machine): every rank masks its logits and
+# verifies its trees with the grammar, and their masks must agree.
+STRUCTURED_MODE = "static"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                           "population": {"type": "integer"}}, "required": ["city", "population"]}
+                                           "is_capital": {"type": "boolean"}},
+          "required": ["city", "is_capital"], "additionalProperties": False}
 
 
 def _chat(client: openai.OpenAI, question: str) -> str:
     model = client.models.list().data[0].id
     structured = {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}}
     response = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                              temperature=0, max_tokens=40,
+                                              temperature=0, max_tokens=32,
                                               **(structured if "JSON" in question else {}))
     return response.choices[0].message.content
 
@@ -137,12 +140,14 @@ def test_default_model_split_over_three_ranks_answers_as_one_rank(default_model_
     server = LiveServer("--tp-size", "3", "--max-total-tokens", "4096", "--max-running-requests", "4", *MODES[mode])
     try:
         client = _openai(server.wait_healthy())
-        answers = [_chat(client, question) for question in QUESTIONS]
+        asked = QUESTIONS if mode == STRUCTURED_MODE else QUESTIONS[:-1]
+        answers = [_chat(client, question) for question in asked]
         info = server.server_info()
     finally:
         assert server.stop() == 0
-    assert answers == default_model_answers
-    assert json.loads(answers[-1]).keys() == {"city", "population"}
+    assert answers == default_model_answers[:len(asked)]
+    if mode == STRUCTURED_MODE:
+        assert json.loads(answers[-1]).keys() == {"city", "is_capital"}
     if mode != "plain":
         # The shipped head accepts several tokens a step here, so trees really are verified across ranks.
         assert info["internal_states"][0]["avg_spec_accept_length"] > 1.5

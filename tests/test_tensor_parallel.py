@@ -7,6 +7,7 @@ passes' all-reduces and gathers really cross processes."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -83,6 +84,20 @@ def test_eagle3_split_over_ranks_equals_plain_greedy(gqa_dir, tmp_path, adaptive
     plain = _outputs(engine_config(gqa_dir), 1, greedy)
     config = spec_config(gqa_dir, head, steps=3, topk=2, draft_tokens=4, adaptive=adaptive)
     assert _outputs(config, 2, greedy) == plain
+
+
+def test_followers_wait_for_the_next_step_past_the_collective_timeout(gqa_dir):
+    """An idle server's followers wait for rank 0's next command with no bound: only the
+    collectives inside a step (and rank 0's sends) time out."""
+    config = engine_config(gqa_dir, tp_size=2, dist_timeout=2.0)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = Engine(config)
+    try:
+        first = engine.generate(PROMPTS[:1], params)[0].output_token_ids
+        time.sleep(5.0)  # two and a half timeouts of idling
+        assert engine.generate(PROMPTS[:1], params)[0].output_token_ids == first
+    finally:
+        engine.close()
 
 
 def test_a_split_that_does_not_divide_the_heads_names_the_sizes_that_do(gqa_dir):

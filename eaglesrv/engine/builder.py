@@ -86,9 +86,9 @@ def build_engine(config: EngineConfig, placement: RankPlacement = SINGLE) -> Eng
     tp = connect(placement, device, config.parallel.dist_timeout)
     dtype = resolve_dtype(config.model, source.hf_config, device)
     model = _build_model(arch, dtype, device, source.iter_weights, config.model.random_seed, tp)
-    tokenizer = None
-    if source.load_tokenizer is not None and not config.model.skip_tokenizer_init:
-        tokenizer = source.load_tokenizer()
+    load_tokenizer = None if config.model.skip_tokenizer_init else source.load_tokenizer
+    # Rank 0's: another rank needs one only for grammars, and loads it at the first (GrammarMatchers).
+    tokenizer = load_tokenizer() if load_tokenizer is not None and tp.is_leader else None
     max_context_len = min(config.model.context_length or arch.max_context_len, arch.max_context_len)
 
     draft = None
@@ -133,9 +133,10 @@ def build_engine(config: EngineConfig, placement: RankPlacement = SINGLE) -> Eng
             graph_batch, max_pages)
         runner = Eagle3Runner(model, draft, kv, draft_kv, attention, device, spec,
                               graphs=_captured(graphs, device, "EAGLE-3 tree-step and draft-extend graphs"))
-    eos_token_ids = _eos_ids(arch, source.generation_config, tokenizer)
-    if tokenizer is not None:
-        runner.grammars = GrammarMatchers(tokenizer, arch.vocab_size, eos_token_ids)
+    eos_token_ids = tp.leader_value(lambda: _eos_ids(arch, source.generation_config, tokenizer), startup=True)
+    if load_tokenizer is not None:
+        runner.grammars = GrammarMatchers(load_tokenizer if tokenizer is None else lambda: tokenizer, arch.vocab_size,
+                                          eos_token_ids)
     scheduler = Scheduler(config.scheduler, num_pages, page_size, demand=runner,
                           prefix_cache=not config.cache.disable_radix_cache)
     if adaptive:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -60,8 +60,10 @@ class _RequestMatcher:
 
 
 class GrammarMatchers:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self.tokenizer = tokenizer  # a transformers fast tokenizer
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        # A transformers fast tokenizer, asked for at the first grammar: a tensor-parallel
+        # follower needs it for nothing else, and loading one can take seconds.
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size  # the width of the logits the masks apply to
         self.eos_token_ids = sorted(eos_token_ids)
         self._eos = frozenset(eos_token_ids)
@@ -98,8 +100,9 @@ class GrammarMatchers:
         if self._lltokenizer is None:
             import llguidance.hf
 
-            vocab = max(self.vocab_size, len(self.tokenizer))
-            self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=vocab,
+            tokenizer = self._load_tokenizer()
+            vocab = max(self.vocab_size, len(tokenizer))
+            self._lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab,
                                                              eos_token=self.eos_token_ids)
             # llguidance fills the tokenizer's width; the masks keep the logits' part
             self._scratch = torch.empty(1, (vocab + 31) // 32, dtype=torch.int32)

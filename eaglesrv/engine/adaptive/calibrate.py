@@ -61,11 +61,11 @@ def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: 
     tp = runner.target.tp
     context = measuring_context(runner, pages.num_free)
     path = (cache_dir or default_cache_dir() / "cost_models") / f"{_cache_key(runner, context)}.json"
-    cached = tp.leader_value(lambda: path.read_text() if path.exists() else None)
+    cached = tp.leader_value(lambda: path.read_text() if path.exists() else None, startup=True)
     if cached is not None:
         model = CostModel.from_json(json.loads(cached))
         measured = _overpricing(runner, pages, context, model)
-        overpricing = tp.leader_value(lambda: measured)
+        overpricing = tp.leader_value(lambda: measured, startup=True)
         if overpricing <= STALE_TOLERANCE:
             logger.info("Speculation cost model: loaded %s (it holds against a spot check)", path)
             return model
@@ -73,7 +73,7 @@ def load_or_measure(runner, pages: PageAllocator, max_requests: int, cache_dir: 
                        "measured while the machine was busy); measuring it again", path, 100 * overpricing)
     started = time.monotonic()
     measured = measure(runner, pages, max_requests, context)
-    model = tp.leader_value(lambda: measured)
+    model = tp.leader_value(lambda: measured, startup=True)
     if not tp.is_leader:
         return model
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,20 @@
 """Tensor parallelism's communication: one TensorParallel per engine process, made by
 connect() and owned by the model it was sharded for (LlamaForCausalLM.tp).
 
-Two process groups, both through torch.distributed (rendezvous through its TCP store):
+Three process groups, all through torch.distributed (rendezvous through its TCP store):
 
     compute   activations inside forward passes: NCCL on CUDA, gloo on the CPU. Its
               collectives time out after --dist-timeout, so a rank that dies or hangs
               fails the others' next pass instead of leaving them waiting forever.
-    control   gloo, Python objects from rank 0 (step commands, rank 0's decisions). Its
-              wait is unbounded on purpose: followers wait there for the next step for as
-              long as the server idles. A rank 0 that dies still ends that wait at once,
-              since its sockets close.
+    control   gloo, Python objects from rank 0 (step commands, rank 0's decisions). Rank 0
+              sends under --dist-timeout (a stopped follower blocks its sends: measured),
+              but the other ranks receive with no bound, on purpose: they wait there for
+              the next step for as long as the server idles. A rank 0 that dies still
+              ends that wait at once, since its sockets close. (A timeout is each
+              process's own setting for a group, so the two sides may differ.)
+    startup   gloo, what the ranks agree on while they load (the pool size, rank 0's cost
+              model): no bound on either side, as loading takes as long as it takes; a
+              rank that dies meanwhile still ends the others' wait.
 
 With one rank every method is a pass-through, so the single-device path is unchanged.
 """
@@ -29,7 +34,7 @@ from eaglesrv.engine.parallel.ranks import RankPlacement
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-CONTROL_TIMEOUT = datetime.timedelta(days=365)  # "never": see the module docstring
+UNBOUNDED_WAIT = datetime.timedelta(days=365)  # "never": see the module docstring
 
 
 class RanksLost(RuntimeError):
@@ -46,9 +51,9 @@ def _collective(rank: int) -> Iterator[None]:
 
 
 class TensorParallel:
-    def __init__(self, rank: int = 0, size: int = 1, compute=None, control=None) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, compute=None, control=None, startup=None) -> None:
         self.rank, self.size = rank, size
-        self._compute, self._control = compute, control
+        self._compute, self._control, self._startup = compute, control, startup
 
     @classmethod
     def single(cls) -> "TensorParallel":
@@ -99,25 +104,26 @@ class TensorParallel:
             torch.distributed.all_gather_single(out, x.contiguous(), group=self._compute)
         return out
 
-    # ---- decisions (control group) -------------------------------------------------------
-    def leader_value(self, compute: Callable[[], T]) -> T:
+    # ---- decisions (control and startup groups) -----------------------------------------
+    def leader_value(self, compute: Callable[[], T], startup: bool = False) -> T:
         """Rank 0's `compute()`, on every rank; the other ranks do not call it. For what must
-        be the same everywhere but is measured or decided on one rank (a speculation
-        decision, a cost model, a pool size read from free memory)."""
+        be the same everywhere but is measured or decided on one rank (a step command, a
+        speculation decision; at start-up, the cost model)."""
         if self.size == 1:
             return compute()
         box: list[Any] = [compute() if self.is_leader else None]
         with _collective(self.rank):
-            torch.distributed.broadcast_object_list(box, src=0, group=self._control)
+            torch.distributed.broadcast_object_list(box, src=0, group=self._startup if startup else self._control)
         return box[0]
 
     def smallest(self, value: int) -> int:
-        """The smallest of every rank's `value` (KV pages: every rank must have as many)."""
+        """The smallest of every rank's `value`, at start-up (KV pages: every rank must have
+        as many)."""
         if self.size == 1:
             return value
         box = torch.tensor([value], dtype=torch.long)
         with _collective(self.rank):
-            torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MIN, group=self._control)
+            torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MIN, group=self._startup)
         return int(box.item())
 
     def close(self) -> None:
@@ -135,11 +141,13 @@ def connect(placement: RankPlacement, device: torch.device, timeout_s: float) ->
         backend, init_method=placement.init_method, rank=placement.rank, world_size=placement.size, timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
-    control = torch.distributed.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    control = torch.distributed.new_group(backend="gloo",
+                                          timeout=timeout if placement.is_leader else UNBOUNDED_WAIT)
+    startup = torch.distributed.new_group(backend="gloo", timeout=UNBOUNDED_WAIT)
     # One collective now opens the compute group's connections: NCCL must not set them up
     # inside a CUDA graph capture, where the first pass's all-reduce would otherwise be.
     with _collective(placement.rank):
         torch.distributed.all_reduce(torch.zeros(1, device=device))
     logger.info("Tensor parallelism: rank %d of %d (pid %d), backend %s, rendezvous %s, collectives time out "
                 "after %g s", placement.rank, placement.size, os.getpid(), backend, placement.init_method, timeout_s)
-    return TensorParallel(placement.rank, placement.size, torch.distributed.group.WORLD, control)
+    return TensorParallel(placement.rank, placement.size, torch.distributed.group.WORLD, control, startup)
