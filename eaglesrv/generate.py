@@ -1,6 +1,6 @@
 """Offline generation from the command line, on the in-process engine.
 
-    python -m eaglesrv.generate --prompt "What is the capital of France?"
+    python -m eaglesrv.generate --prompt "Which city is the capital of France?"
 
 With no --model-path it runs the default model, SmolLM2-135M-Instruct (fetched once).
 The prompt goes through the model's chat template unless --raw is given.
@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = Engine(config)
-    questions = args.prompt or ["What is the capital of France?"]
+    questions = args.prompt or ["Which city is the capital of France?"]
     prompts = [q if args.raw else _chat(engine, q) for q in questions]
     started = time.monotonic()
     results = engine.generate(prompts, params)
