@@ -195,8 +195,10 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
-def write_tiny_gguf(path: Path, model: torch.nn.Module, arch: str, q8_embeddings: bool = False,
+def write_tiny_gguf(path: Path, model: torch.nn.Module, arch: str, q8: str | None = None,
                     pre: str | None = None) -> None:
+    """A GGUF of `model` with a byte-ish vocabulary; q8 "embeddings" or "weights" (every 2-D
+    tensor) stores those as Q8_0, the rest as F32."""
     import gguf
 
     cfg = model.config
@@ -228,11 +230,12 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, arch: str, q8_embeddings
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         if arch == "llama" and ".k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        if q8_embeddings and name == "model.embed_tokens.weight":
+        data = np.ascontiguousarray(data)
+        if (q8 == "embeddings" and name == "model.embed_tokens.weight") or (q8 == "weights" and data.ndim == 2):
             quant = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name(name), quant, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+            writer.add_tensor(gguf_name(name), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -258,7 +261,7 @@ def test_gguf_tied_quantized_embeddings(tmp_path: Path) -> None:
     import gguf
 
     model = tiny_model(tie=True)
-    write_tiny_gguf(tmp_path / "tiny.gguf", model, "llama", q8_embeddings=True)
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, "llama", q8="embeddings")
     source = resolve_model(str(tmp_path / "tiny.gguf"), load_format="gguf")
     assert source.hf_config["tie_word_embeddings"] is True
     weights = dict(source.iter_weights())

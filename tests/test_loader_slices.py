@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_loader import TINY, gguf_name, llama_cpp_permute, tiny_model
+from test_loader import TINY, tiny_model, write_tiny_gguf
 
 from eaglesrv.engine.loader import ModelLoadError, ModelSource, SliceChooser, TensorSlice, resolve_model
 
@@ -115,37 +114,6 @@ def test_hf_dir_bad_slice_names_the_tensor(request: pytest.FixtureRequest, fmt: 
 # --- GGUF: F32 and Q8_0, with llama.cpp's q/k row permutation -----------------------------
 
 
-def write_gguf(path: Path, model: torch.nn.Module, qtype: str) -> None:
-    """A llama GGUF (no vocab) with every 2-D weight stored as `qtype`, 1-D tensors as F32."""
-    import gguf
-
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    quant = gguf.GGMLQuantizationType[qtype]
-    for name, tensor in model.state_dict().items():
-        data = tensor.numpy()
-        if ".q_proj." in name or ".k_proj." in name:
-            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
-            data = llama_cpp_permute(data, heads)
-        data = np.ascontiguousarray(data)
-        if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(data, quant), raw_dtype=quant)
-        else:
-            writer.add_tensor(gguf_name(name), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module", params=["F32", "Q8_0"])
 def gguf_source(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelSource:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -154,7 +122,7 @@ def gguf_source(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     # With biases, so that the permuted q/k biases (1-D) are sliced and un-permuted too.
     model = LlamaForCausalLM(LlamaConfig(**TINY, attention_bias=True)).eval()
     path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
-    write_gguf(path, model, request.param)
+    write_tiny_gguf(path, model, "llama", q8="weights" if request.param == "Q8_0" else None)
     source = resolve_model(str(path))
     if request.param == "F32":  # the whole tensors are the model's: names, un-permutation and values
         weights = dict(source.iter_weights())
