@@ -36,7 +36,7 @@ from typing import AsyncIterator, Callable
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine import protocol as msg
-from eaglesrv.engine.follower_process import start_followers
+from eaglesrv.engine.follower_process import start_followers, stop_followers
 from eaglesrv.engine.parallel.ranks import node_placements
 from eaglesrv.engine.process import engine_process_main
 from eaglesrv.sampling_params import SamplingParams
@@ -135,12 +135,8 @@ class EngineClient:
                 logger.warning("engine process did not exit within %.0f s; killing it", timeout_s)
             self._process.kill()  # still loading: it holds no requests, and would not read Shutdown yet
             self._process.join(5.0)
-        for follower in self._followers:  # rank 0 stopped them on its way out, unless it failed
-            follower.join(timeout_s if self._process.exitcode == 0 else 1.0)
-            if follower.is_alive():
-                logger.warning("%s did not exit; killing it", follower.name)
-                follower.kill()
-                follower.join(5.0)
+        # rank 0 stopped them on its way out, unless it failed
+        stop_followers(self._followers, timeout_s if self._process.exitcode == 0 else 1.0)
         self._outgoing.put(None)
         self._writer.join(5.0)
         self._to_engine.close()

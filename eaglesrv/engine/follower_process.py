@@ -48,6 +48,17 @@ def start_followers(config: EngineConfig, placements: list[RankPlacement], log_l
     return processes
 
 
+def stop_followers(processes: list, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for each process to exit (rank 0 has told them to stop, or has
+    failed), then kill what is left: no rank outlives the process that started it."""
+    for process in processes:
+        process.join(timeout_s)
+        if process.is_alive():
+            logger.warning("%s did not exit; killing it", process.name)
+            process.kill()
+            process.join(5.0)
+
+
 def run_other_node(config: EngineConfig, log_level: str) -> int:
     """A node other than 0 (launch.py --node-rank N): run its ranks, no HTTP, until they
     end (rank 0 stops them when the server shuts down); 1 if any failed. SIGTERM or

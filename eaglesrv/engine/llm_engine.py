@@ -21,7 +21,7 @@ import torch
 
 from eaglesrv.configs import EngineConfig
 from eaglesrv.engine.builder import build_engine
-from eaglesrv.engine.follower_process import start_followers
+from eaglesrv.engine.follower_process import start_followers, stop_followers
 from eaglesrv.engine.parallel.followers import Followers
 from eaglesrv.engine.parallel.ranks import RankPlacement, node_placements
 from eaglesrv.engine.stats_logger import StepStatsLogger
@@ -60,10 +60,10 @@ class Engine:
         try:
             parts = build_engine(self.config, placement)
         except BaseException:
-            for process in started:
-                process.kill()
+            stop_followers(started, timeout_s=0)
             raise
-        self.followers = Followers(parts.tp, started)
+        self.followers = Followers(parts.tp)
+        self._started_followers = started  # joined at close()
         self.device, self.dtype, self.arch = parts.device, parts.dtype, parts.arch
         self.model, self.tokenizer, self.eos_token_ids = parts.model, parts.tokenizer, parts.eos_token_ids
         self.max_context_len = parts.max_context_len
@@ -196,6 +196,7 @@ class Engine:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (nothing with one rank)."""
         self.followers.stop()
+        stop_followers(self._started_followers, timeout_s=30.0)
 
     # ---- text -----------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

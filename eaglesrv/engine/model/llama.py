@@ -20,7 +20,7 @@ from eaglesrv.engine.forward_context import ForwardContext
 from eaglesrv.engine.model.arch import ModelArch
 from eaglesrv.engine.model.cpu_layout import convert_linears
 from eaglesrv.engine.model.rope import RotaryEmbedding
-from eaglesrv.engine.model.sharding import checkpoint_slice, held_by_leader_only, per_rank
+from eaglesrv.engine.model.sharding import checkpoint_slice, held_by_leader_only, per_rank, vocab_parallel
 from eaglesrv.engine.parallel.group import TensorParallel
 
 
@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: dict[str, set[int]] = {}
         if self.tp.size > 1:
             for name, param in params.items():  # the last rank's vocabulary padding rows stay zero
-                if "embed_tokens" in name or "lm_head" in name:
+                if vocab_parallel(name):
                     param.zero_()
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
@@ -210,9 +210,9 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch.family} model")
             destination = params[target] if part is None else part_view(params[target], target, part, self.shard)
-            if self.tp.size > 1 and held_by_leader_only(name) and not self.tp.is_leader:
+            if held_by_leader_only(name) and not self.tp.is_leader:
                 tensor = torch.zeros_like(tensor)
-            if self.tp.size > 1 and ("embed_tokens" in target or "lm_head" in target):
+            if self.tp.size > 1 and vocab_parallel(target):
                 destination = destination.narrow(0, 0, min(len(destination), len(tensor)))
             if tuple(destination.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(destination.shape)}")

@@ -56,7 +56,7 @@ def checkpoint_slice(name: str, shape: tuple[int, ...], arch: ModelArch,
     that this rank holds, or None for all of it."""
     if tp.size == 1:
         return None
-    if name.endswith(_VOCAB_PARALLEL):
+    if vocab_parallel(name):
         start, length, _ = tp.vocab_part(shape[0])
         return 0, start, length
     projection, kind = name.split(".")[-2], name.split(".")[-1]
@@ -67,6 +67,11 @@ def checkpoint_slice(name: str, shape: tuple[int, ...], arch: ModelArch,
         start, length = tp.part(shape[1])
         return 1, start, length
     return None  # norms; row-parallel biases (rank 0 keeps them, see LlamaForCausalLM.load_weights)
+
+
+def vocab_parallel(name: str) -> bool:
+    """Split by vocabulary rows: the embedding and the output layer (checkpoint or parameter name)."""
+    return name.endswith(_VOCAB_PARALLEL)
 
 
 def held_by_leader_only(name: str) -> bool:

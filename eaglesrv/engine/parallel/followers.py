@@ -55,9 +55,8 @@ def sampled_digest(results) -> int:
 class Followers:
     """Rank 0's side: sends the commands. With one rank every call does nothing."""
 
-    def __init__(self, tp, processes: list | None = None) -> None:
+    def __init__(self, tp) -> None:
         self.tp = tp
-        self._processes = processes or []  # followers this process started (in-process Engine), joined at stop
         self._digest: int | None = None
 
     def step(self, batch) -> None:
@@ -77,17 +76,14 @@ class Followers:
         if self.tp.size > 1:
             self._send(AfterWarmup())
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self) -> None:
+        """Tell the followers to exit and leave the group (whoever started their processes
+        joins them: follower_process.stop_followers)."""
         if self.tp.size > 1:
             try:
                 self._send(Stop())
             except RuntimeError:  # RanksLost: a follower is gone already, nothing to stop
                 pass
-        for process in self._processes:
-            process.join(timeout_s)
-            if process.is_alive():
-                process.kill()
-                process.join(5.0)
         self.tp.close()
 
     def _send(self, command) -> None:
