@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from eaglesrv.configs import EngineConfig, ModelConfig
+from eaglesrv.configs import EngineConfig, ModelConfig, SchedulerConfig
 from eaglesrv.configs.cli import ENGINE_FLAGS, GROUPS, parse_engine_config
 from eaglesrv.configs.errors import ConfigError
 from eaglesrv.engine.model.arch import ModelArch, UnsupportedModel
@@ -52,9 +52,17 @@ def test_bad_values_name_the_flag(argv, message):
         parse_engine_config(argv)
 
 
-def test_argparse_refuses_unknown_choices():
+@pytest.mark.parametrize("argv", [["--dtype", "float64"], ["--schedule-policy", "lof"]])
+def test_argparse_refuses_unknown_choices(argv):
     with pytest.raises(SystemExit):
-        parse_engine_config(["--dtype", "float64"])
+        parse_engine_config(argv)
+
+
+def test_schedule_policy():
+    assert parse_engine_config([]).scheduler.schedule_policy == "lpm"
+    assert parse_engine_config(["--schedule-policy", "fcfs"]).scheduler.schedule_policy == "fcfs"
+    with pytest.raises(ConfigError, match="--schedule-policy"):
+        SchedulerConfig(schedule_policy="random")
 
 
 def test_configs_are_frozen():

@@ -153,6 +153,46 @@ def test_requests_sharing_a_prefix_wait_for_the_one_computing_it():
     _drain(scheduler)
 
 
+def _warm_then_queue(policy: str) -> Scheduler:
+    """A cache holding a 16-token system prompt, then a cold 12-token prompt queued before a
+    warm one (the system prompt, the token after it in the cache, and one more), with 8 tokens of
+    budget a step."""
+    scheduler = Scheduler(SchedulerConfig(chunked_prefill_size=8, schedule_policy=policy), num_pages=64,
+                          page_size=PAGE, prefix_cache=True)
+    system = list(range(100, 116))
+    scheduler.add(_request("first", system + [1, 2]))
+    _drain(scheduler)
+    scheduler.add(_request("cold", list(range(200, 212))))
+    scheduler.add(_request("warm", system + [1, 9]))
+    return scheduler
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    scheduler = _warm_then_queue("lpm")
+    batch, outputs = _step(scheduler)  # nothing running: the first in lpm's order is the one that must progress
+    admitted = [(w.request_id, w.num_cached, len(w.token_ids)) for w in batch.sequences]
+    assert admitted == [("warm", 16, 2), ("cold", 0, 6)]
+    assert [out.request_id for out in outputs] == ["warm"]  # its first token after one step
+    _drain(scheduler)
+
+
+def test_fcfs_admits_in_arrival_order():
+    scheduler = _warm_then_queue("fcfs")
+    batch, outputs = _step(scheduler)
+    assert [(w.request_id, len(w.token_ids)) for w in batch.sequences] == [("cold", 8)] and not outputs
+    batch, outputs = _step(scheduler)
+    assert [w.request_id for w in batch.sequences] == ["cold", "warm"]
+    _drain(scheduler)
+
+
+def test_lpm_keeps_arrival_order_past_its_queue_limit(monkeypatch):
+    monkeypatch.setattr("eaglesrv.scheduler.scheduler.LPM_MAX_WAITING", 1)
+    scheduler = _warm_then_queue("lpm")
+    batch, _ = _step(scheduler)
+    assert [w.request_id for w in batch.sequences] == ["cold"]
+    _drain(scheduler)
+
+
 def test_only_state_the_engine_reports_complete_enters_the_cache():
     scheduler = Scheduler(SchedulerConfig(), num_pages=64, page_size=PAGE, prefix_cache=True)
     scheduler.add(_request("a", list(range(1, 14)), max_tokens=1))

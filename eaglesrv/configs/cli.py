@@ -16,7 +16,7 @@ from eaglesrv.configs.engine import EngineConfig
 from eaglesrv.configs.model import DTYPES, LOAD_FORMATS, ModelConfig
 from eaglesrv.configs.parallel import ParallelConfig
 from eaglesrv.configs.runtime import ATTENTION_BACKENDS, DEVICES, RuntimeConfig
-from eaglesrv.configs.scheduler import SchedulerConfig
+from eaglesrv.configs.scheduler import SCHEDULE_POLICIES, SchedulerConfig
 from eaglesrv.configs.speculative import SpeculativeConfig
 
 GROUPS: dict[str, type] = {
@@ -69,6 +69,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(("--max-running-requests",), "scheduler", "max_running_requests", "Most requests decoding at once.", int),
     Flag(("--chunked-prefill-size",), "scheduler", "chunked_prefill_size",
          "Most tokens per forward pass; -1 disables chunked prefill.", int),
+    Flag(("--schedule-policy",), "scheduler", "schedule_policy",
+         "Order of admission: lpm (longest cached prefix first) or fcfs (arrival order).", str,
+         choices=SCHEDULE_POLICIES),
     Flag(("--speculative-algorithm",), "speculative", "algorithm", "EAGLE3, or unset for plain decoding.",
          _optional_str),
     Flag(("--speculative-draft-model-path",), "speculative", "draft_model_path", "EAGLE-3 draft head.", str),

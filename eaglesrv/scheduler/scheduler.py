@@ -10,7 +10,8 @@ Each step, in three passes:
      Speculation is optional work: a request that gets none decodes plainly (same
      output), and nobody is preempted for a draft.
   3. waiting requests are admitted while the token budget, the running-request cap and
-     the free pages allow; an admitted request gets pages for its whole prefill at once,
+     the free pages allow, in the order --schedule-policy sets (lpm: longest cached prefix
+     first; fcfs: arrival); an admitted request gets pages for its whole prefill at once,
      so that its later chunks never preempt anyone.
 
 With the prefix cache (prefix_cache.py, on unless --disable-radix-cache), an admitted
@@ -22,9 +23,9 @@ prefix another running request is computing right now waits for it, rather than 
 the same pages alongside it.
 
 Progress is checked every step (NoProgress): with work to do, the batch holds the oldest
-running request, or with none running, the first waiting one. The oldest running request
-always fits alone (a request's context is capped at the pool's size), so a step without it
-is a bug, not a state to wait out.
+running request, or with none running, the first one admission tries. The oldest running
+request always fits alone (a request's context is capped at the pool's size), so a step
+without it is a bug, not a state to wait out.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from eaglesrv.scheduler.batch import (
 from eaglesrv.scheduler.page_allocator import PageAllocator
 from eaglesrv.scheduler.prefix_cache import PrefixCache, page_keys
 from eaglesrv.scheduler.request import FinishReason, Request, RequestStatus
+
+LPM_MAX_WAITING = 128
 
 
 class RequestRejected(ValueError):
@@ -153,7 +156,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.config.token_budget or math.inf
         decode_cost, decode_lookahead = self.demand.decode_cost, self.demand.decode_lookahead
-        oldest = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
+        oldest = self.running[0] if self.running else None
         planned: list[tuple[Request, int]] = []  # (request, tokens to compute), in batch order
         drafting: list[Request] = []  # decoding requests whose tree the budget can take
         preempted: list[str] = []
@@ -180,20 +183,22 @@ class Scheduler:
         lookahead = {request.request_id: self._grant_lookahead(request, decode_lookahead) for request in drafting}
 
         # 3. admission; admitting right after a preemption would only thrash the pool
-        position = 0
-        while (position < len(self.waiting) and budget > 0 and not preempted
-               and len(self.running) < self.config.max_running_requests):
-            request = self.waiting[position]
+        admitting = budget > 0 and not preempted and len(self.running) < self.config.max_running_requests
+        candidates = self._admission_order() if admitting else []
+        if oldest is None and candidates:
+            oldest = candidates[0]  # with nothing running, the first candidate always fits
+        for request in candidates:
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
             if self._shares_prefix_in_flight(request):
-                position += 1  # the pages it would share are being computed: take them next step
-                continue
+                continue  # the pages it would share are being computed: take them next step
             hit = self._lock_cached_prefix(request)
             needed = self._pages_for(request.num_tokens) - len(hit)
             available = self.num_available_pages
             if (available - needed < self._watermark_pages and self.running) or needed > available:
                 self._release_cache_lock(request)
                 break
-            del self.waiting[position]
+            self.waiting.remove(request)
             self._admit(request, hit, needed)
             count = int(min(request.num_tokens - request.num_computed_tokens, budget))
             planned.append((request, count))
@@ -260,6 +265,17 @@ class Scheduler:
         return outputs
 
     # ---- internals -----------------------------------------------------------------
+    def _admission_order(self) -> list[Request]:
+        """Waiting requests in the order admission tries them: arrival order (preempted ones
+        first), or under lpm with the prefix cache on, longest cached prefix first, ties in
+        arrival order. Past LPM_MAX_WAITING requests, matching every one each step would
+        cost more than the order saves, and arrival order holds (as in SGLang)."""
+        waiting = list(self.waiting)
+        if self.config.schedule_policy != "lpm" or self.cache is None or not 1 < len(waiting) <= LPM_MAX_WAITING:
+            return waiting
+        cached = {id(r): len(self.cache.match(r.all_token_ids, r.cacheable_limit())) for r in waiting}
+        return sorted(waiting, key=lambda r: -cached[id(r)])  # sorted() is stable
+
     def _work(self, request: Request, count: int, lookahead: int) -> SequenceWork:
         start = request.num_computed_tokens
         return SequenceWork(
