@@ -59,8 +59,8 @@ def test_argparse_refuses_unknown_choices(argv):
 
 
 def test_schedule_policy():
-    assert parse_engine_config([]).scheduler.schedule_policy == "lpm"
-    assert parse_engine_config(["--schedule-policy", "fcfs"]).scheduler.schedule_policy == "fcfs"
+    assert parse_engine_config([]).scheduler.schedule_policy == "fcfs"
+    assert parse_engine_config(["--schedule-policy", "lpm"]).scheduler.schedule_policy == "lpm"
     with pytest.raises(ConfigError, match="--schedule-policy"):
         SchedulerConfig(schedule_policy="random")
 

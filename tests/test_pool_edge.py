@@ -30,6 +30,9 @@ def private_cost_cache(tmp_path_factory):
 
 
 def build(mode: str, model_dir: str, head_dir: str, pool: int = POOL, **kwargs) -> Engine:
+    # Arrival order: the tests place the edge request before or after the short ones, and
+    # under lpm an edge request with a cached prefix would be admitted ahead of them.
+    kwargs.setdefault("schedule_policy", "fcfs")
     if mode == "plain":
         return Engine(engine_config(model_dir, max_total_tokens=pool, **kwargs))
     config = spec_config(model_dir, head_dir, *TREE, max_total_tokens=pool, **kwargs)

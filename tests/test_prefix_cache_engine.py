@@ -59,6 +59,26 @@ def test_greedy_output_with_the_cache_equals_output_without_it(tiny_llama_dir, h
     assert_pages_returned(uncached)
 
 
+@pytest.mark.parametrize("mode", ["plain", "eagle3-static"])
+def test_longest_prefix_first_admits_warm_prompts_first_with_the_same_output(tiny_llama_dir, head_dir, mode):
+    """Under --schedule-policy lpm, prompts that hit the cache are admitted ahead of cold
+    ones queued before them; the output is what an engine without the cache gives."""
+    lpm = Engine(MODES[mode](tiny_llama_dir, head_dir, schedule_policy="lpm", chunked_prefill_size=32))
+    uncached = Engine(MODES[mode](tiny_llama_dir, head_dir, disable_radix_cache=True))
+    cold = random_prompts([40, 33], 256, seed=4)
+    warm = [SYSTEM + q for q in QUESTIONS[:3]]
+    admitted = []
+    admit = lpm.scheduler._admit
+    lpm.scheduler._admit = lambda request, *args: (admitted.append(request.prompt_token_ids), admit(request, *args))
+    outputs = {}
+    for name, engine in (("lpm", lpm), ("uncached", uncached)):
+        engine.generate([SYSTEM + QUESTIONS[4]], GREEDY)  # the system prompt enters lpm's cache
+        outputs[name] = [r.output_token_ids for r in engine.generate(cold + warm, GREEDY)]
+    assert outputs["lpm"] == outputs["uncached"]
+    assert admitted[1:4] == warm and sorted(map(tuple, admitted[4:])) == sorted(map(tuple, cold))
+    assert_pages_returned(lpm)
+
+
 def _draft_root_after_prefill(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """The draft's log-probabilities at the end of the prompt (what the first tree grows from)."""
     request_id = engine.add_request(prompt, GREEDY)

@@ -70,7 +70,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(("--chunked-prefill-size",), "scheduler", "chunked_prefill_size",
          "Most tokens per forward pass; -1 disables chunked prefill.", int),
     Flag(("--schedule-policy",), "scheduler", "schedule_policy",
-         "Order of admission: lpm (longest cached prefix first) or fcfs (arrival order).", str,
+         "Order of admission: fcfs (arrival order) or lpm (longest cached prefix first).", str,
          choices=SCHEDULE_POLICIES),
     Flag(("--speculative-algorithm",), "speculative", "algorithm", "EAGLE3, or unset for plain decoding.",
          _optional_str),

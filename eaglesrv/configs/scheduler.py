@@ -4,10 +4,11 @@ from dataclasses import dataclass
 
 from eaglesrv.configs.errors import require
 
-# fcfs: arrival order. lpm (longest prefix match): with the prefix cache on, the waiting
-# request with the longest cached prefix first, so that requests whose prompts are mostly
-# computed already get their first token without waiting behind cold ones (SGLang's names).
-SCHEDULE_POLICIES = ("lpm", "fcfs")
+# fcfs: arrival order (the default, as in SGLang and vLLM). lpm (longest prefix match): with
+# the prefix cache on, the waiting request with the longest cached prefix first, so that
+# requests whose prompts are mostly computed get their first token without waiting behind
+# cold ones, at the cost of arrival order (SGLang's names).
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class SchedulerConfig:
     # Pages kept free when admitting new requests, so that running ones can keep decoding
     # without being preempted at once.
     admission_watermark: float = 0.01
-    schedule_policy: str = "lpm"
+    schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         require(
