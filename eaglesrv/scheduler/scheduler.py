@@ -183,12 +183,14 @@ class Scheduler:
         lookahead = {request.request_id: self._grant_lookahead(request, decode_lookahead) for request in drafting}
 
         # 3. admission; admitting right after a preemption would only thrash the pool
-        admitting = budget > 0 and not preempted and len(self.running) < self.config.max_running_requests
-        candidates = self._admission_order() if admitting else []
+        def room() -> bool:
+            return budget > 0 and len(self.running) < self.config.max_running_requests
+
+        candidates = self._admission_order() if room() and not preempted else []
         if oldest is None and candidates:
             oldest = candidates[0]  # with nothing running, the first candidate always fits
         for request in candidates:
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+            if not room():
                 break
             if self._shares_prefix_in_flight(request):
                 continue  # the pages it would share are being computed: take them next step
