@@ -84,6 +84,7 @@ def random_case(spans_shape, seed=0, custom=False, heads=(HEADS, KV_HEADS, DIM),
         ([(3, 1), (300, 1), (20, 1), (700, 1), (260, 1), (0, 2)], False),  # decodes bucketed by length
         ([(40, 100), (7, 1), (0, 65), (12, 64)], False),  # prefill chunks beside kernel rows (cpu: > 64 new -> SDPA)
         ([(40, 70), (9, 1), (30, 33)], True),  # a large tree beside small ones
+        ([(0, 80), (0, 80), (0, 66)], False),  # fresh prompts: SDPA's own causal rule, no mask
     ],
 )
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
