@@ -14,7 +14,11 @@ ship in eaglesrv/configs/shapes), through the in-process Engine:
   3. EAGLE-3 (--spec-steps, --spec-topk, --spec-nodes) at batch 1 with a random head (of
      the published heads' 32,000-token draft vocabulary, --draft-vocab-size), every step
      verifying the full tree (adaptive off): one draft-and-verify round's time as a
-     multiple of one plain decode step (both with graphs, median of --spec-rounds).
+     multiple of one plain decode step (both with graphs, median of --spec-rounds);
+  4. SGLang's generated-shared-prefix workload in random token ids (--gsp-* flags, as in
+     bench_serving), --gsp-concurrency in flight, with the prefix cache off and on (issue
+     42): mean time to first token and output tok/s of each, each after a warm-up round on
+     other prompts (whose cached pages are flushed before the timed run).
 Each part that fails records its error and the others still run; the exit status is 1 if
 any failed. The JSON is rewritten after every part, so a crash keeps what came before.
 Speed is reported, never asserted.
@@ -41,6 +45,7 @@ from eaglesrv.bench.gpu.measure import (
     device_name,
     fixed_requests,
     random_prompts,
+    shared_prefix_requests,
     streaming_floor,
     synchronize,
     time_steps,
@@ -62,15 +67,19 @@ from eaglesrv.engine.llm_engine import Engine
 from eaglesrv.engine.model.arch import ModelArch
 
 PAGE_SIZE = 16
-PARTS = ("plain", "eager", "eagle")  # plain: decode with graphs and the batch run; eager: decode without graphs
+# plain: decode with graphs and the batch run; eager: decode without graphs; prefix: the shared-prefix workload
+PARTS = ("plain", "eager", "eagle", "prefix")
 
 # Flags whose default depends on --smoke; parsed as None and filled in from one of these.
 DEFAULTS = dict(shape="llama-3.1-8b", dtype="bfloat16", decode_tokens=128, repeats=3, prompt_len=128,
                 concurrency=128, input_len=256, output_len=256, spec_rounds=32, spec_warmup=4,
-                attention_backend="auto", draft_vocab_size=PUBLISHED_DRAFT_VOCAB)
+                attention_backend="auto", draft_vocab_size=PUBLISHED_DRAFT_VOCAB, gsp_num_groups=4,
+                gsp_prompts_per_group=16, gsp_system_prompt_len=2048, gsp_question_len=128, gsp_output_len=64,
+                gsp_concurrency=16)
 SMOKE = dict(shape="tiny-llama", dtype="float32", decode_tokens=8, repeats=1, prompt_len=8,
              concurrency=4, input_len=16, output_len=8, spec_rounds=4, spec_warmup=1, attention_backend="torch",
-             draft_vocab_size=128)
+             draft_vocab_size=128, gsp_num_groups=2, gsp_prompts_per_group=4, gsp_system_prompt_len=48,
+             gsp_question_len=8, gsp_output_len=4, gsp_concurrency=4)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -98,6 +107,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "the builder's own random head, over the whole vocabulary")
     p.add_argument("--spec-rounds", type=int, default=None, help="timed EAGLE-3 rounds and plain steps (default 32)")
     p.add_argument("--spec-warmup", type=int, default=None, help="untimed steps before them (default 4)")
+    gsp = p.add_argument_group("part 4, the shared-prefix workload (SGLang's bench_serving flags)")
+    gsp.add_argument("--gsp-num-groups", type=int, default=None, help="system prompts (default 4)")
+    gsp.add_argument("--gsp-prompts-per-group", type=int, default=None, help="requests per system prompt (default 16)")
+    gsp.add_argument("--gsp-system-prompt-len", type=int, default=None, help="default 2048")
+    gsp.add_argument("--gsp-question-len", type=int, default=None, help="default 128")
+    gsp.add_argument("--gsp-output-len", type=int, default=None, help="default 64")
+    gsp.add_argument("--gsp-concurrency", type=int, default=None, help="requests in flight (default 16)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--output-json", default=None, help="write every figure to this JSON file")
     p.add_argument("--smoke", action="store_true",
@@ -117,6 +133,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--decode-tokens must be at least 2 (the decode rate is timed from the first token)")
     if min(args.repeats, args.prompt_len, args.concurrency, args.input_len, args.output_len, args.spec_rounds) < 1:
         p.error("--repeats, --prompt-len, --concurrency, --input-len, --output-len and --spec-rounds must be >= 1")
+    if min(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len, args.gsp_question_len,
+           args.gsp_output_len, args.gsp_concurrency) < 1:
+        p.error("every --gsp-* flag must be at least 1")
     return args
 
 
@@ -129,6 +148,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.gsp_len = args.gsp_system_prompt_len + args.gsp_question_len  # a shared-prefix request's prompt
         self.device = torch.device(args.device if args.device != "auto" else
                                    "cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, args.dtype)
@@ -138,7 +158,8 @@ class Bench:
         self.vocab_size = self.arch.vocab_size
         # Long enough for every request here; short keeps the graphs' block tables small.
         needed = max(args.prompt_len + (args.spec_warmup + args.spec_rounds + 2) * (args.spec_steps + 1) + 64,
-                     args.prompt_len + args.decode_tokens + 64, args.input_len + args.output_len + 64)
+                     args.prompt_len + args.decode_tokens + 64, args.input_len + args.output_len + 64,
+                     self.gsp_len + args.gsp_output_len + 64)
         self.context_length = min(max(needed, 2048), self.arch.max_position_embeddings)
         self.started = time.monotonic()
         self.failed = False
@@ -155,7 +176,7 @@ class Bench:
 
     # ---- engines --------------------------------------------------------------------
     def engine(self, graphs: bool, speculative: bool, max_running: int, max_tokens: int,
-               draft_path: str | None = None) -> Engine:
+               draft_path: str | None = None, prefix_cache: bool = True) -> Engine:
         args, on_cpu = self.args, self.device.type == "cpu"
         chunk = {} if args.chunked_prefill_size is None else {"chunked_prefill_size": args.chunked_prefill_size}
         scheduler = SchedulerConfig(max_running_requests=max_running, **chunk)
@@ -167,7 +188,8 @@ class Bench:
         engine = Engine(EngineConfig(
             model=ModelConfig(model_path=self.model_path, load_format="dummy", dtype=args.dtype,
                               context_length=self.context_length, skip_tokenizer_init=True),
-            cache=CacheConfig(page_size=PAGE_SIZE, max_total_tokens=max_tokens + 4 * PAGE_SIZE * max_running),
+            cache=CacheConfig(page_size=PAGE_SIZE, max_total_tokens=max_tokens + 4 * PAGE_SIZE * max_running,
+                              disable_radix_cache=not prefix_cache),
             scheduler=scheduler, speculative=spec,
             # On the CPU (smoke runs) "graphs" are the stand-in with CUDA-graph semantics.
             runtime=RuntimeConfig(device=self.device.type, attention_backend=args.attention_backend,
@@ -178,7 +200,8 @@ class Bench:
         synchronize(self.device)
         self.results["device"]["attention"] = engine.runner.attention.name
         _log(f"engine ready in {time.monotonic() - started:.1f} s: graphs {'on' if graphs else 'off'}, "
-             f"{'EAGLE-3' if speculative else 'plain'}, attention {engine.runner.attention.name}")
+             f"{'EAGLE-3' if speculative else 'plain'}, prefix cache {'on' if prefix_cache else 'off'}, "
+             f"attention {engine.runner.attention.name}")
         return engine
 
     @staticmethod
@@ -252,6 +275,39 @@ class Bench:
                 "ratio": timing.median_ms / plain_step_ms, "tokens_per_round": statistics.fmean(timing.tokens),
                 "rounds": len(timing.step_ms), "draft_vocab_size": draft_vocab}
 
+    def shared_prefix(self) -> dict[str, Any]:
+        """The shared-prefix workload with the prefix cache off, then on, in engines built alike."""
+        args = self.args
+
+        def workload(seed: int) -> list:
+            return shared_prefix_requests(self.vocab_size, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                          args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
+                                          seed)
+
+        # Room for every system prompt cached beside the requests in flight: nothing is evicted.
+        pool = (args.gsp_num_groups * args.gsp_system_prompt_len
+                + args.gsp_concurrency * (self.gsp_len + args.gsp_output_len + PAGE_SIZE))
+        runs = {}
+        for cache_on in (False, True):
+            engine = self.engine(graphs=True, speculative=False, max_running=args.gsp_concurrency,
+                                 max_tokens=pool, prefix_cache=cache_on)
+            try:
+                # Warm-up on other prompts: one full round of requests, then their pages are dropped.
+                run_continuous(engine, workload(seed=5)[: args.gsp_concurrency], args.gsp_concurrency)
+                engine.flush_cache()
+                cache = engine.scheduler.cache
+                hits_before = cache.hit_tokens if cache is not None else 0
+                synchronize(self.device)
+                result = run_continuous(engine, workload(seed=6), args.gsp_concurrency).to_json()
+                result["cached_prompt_tokens"] = cache.hit_tokens - hits_before if cache is not None else 0
+                runs["cache_on" if cache_on else "cache_off"] = result
+            finally:
+                del engine
+                self.release_memory()
+        off, on = runs["cache_off"], runs["cache_on"]
+        return {**runs, "ttft_ratio": off["mean_ttft_ms"] / on["mean_ttft_ms"],
+                "tok_s_ratio": on["output_tok_s"] / off["output_tok_s"]}
+
     def run(self) -> dict[str, Any]:
         args = self.args
         _log(f"{self.results['device']['name']}: {self.results['config']['shape']}, {args.dtype}, parts {args.parts}")
@@ -290,6 +346,8 @@ class Bench:
             self.record("decode_eager", eager)
         if "eagle" in args.parts:
             self.record("eagle", lambda: self.eagle(plain_step[0] if plain_step else None))
+        if "prefix" in args.parts:
+            self.record("prefix", self.shared_prefix)
         self.save()
         return self.results
 

@@ -15,7 +15,8 @@
 #   GPU tests   pytest -m gpu over every tests/test_*.py that marks tests gpu       -> gpu_tests.txt
 #   TP tests    tests/test_gpu_tensor_parallel.py (NCCL), when the machine has 2 GPUs or more;
 #               on one GPU the part records that it did not run                  -> tp_tests.txt
-#   benchmarks  python -m eaglesrv.bench_gpu: Llama-3.1-8B shape, dummy bf16 weights -> bench.txt, bench.json
+#   benchmarks  python -m eaglesrv.bench_gpu: Llama-3.1-8B shape, dummy bf16 weights; decode, batch,
+#               EAGLE-3 round, shared-prefix TTFT with the prefix cache off and on -> bench.txt, bench.json
 # It prints one table last (also table.md): each part's outcome, then each figure beside its
 # target. Exit status 1 if any part failed or did not run. Eight files in all under $OUT (the
 # device tool brings back eight at most).
@@ -135,12 +136,12 @@ tp_file=tests/test_gpu_tensor_parallel.py
 mapfile -t gpu_files < <(grep -l 'mark\.gpu' tests/test_*.py | grep -v -x "$tp_file")
 pytest_args=(-q -p no:cacheprovider -m gpu --durations=10)
 [[ -n $dry ]] && pytest_args+=(--collect-only)
-run_part gpu_tests.txt "GPU tests (pytest -m gpu, ${#gpu_files[@]} files)" 230 205 \
+run_part gpu_tests.txt "GPU tests (pytest -m gpu, ${#gpu_files[@]} files)" 230 255 \
   "$py" -m pytest "${pytest_args[@]}" "${gpu_files[@]}"
 
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if ((gpus >= 2)) || [[ -n $dry ]]; then
-  run_part tp_tests.txt "tensor parallelism over NCCL ($gpus GPUs)" 150 190 \
+  run_part tp_tests.txt "tensor parallelism over NCCL ($gpus GPUs)" 150 255 \
     "$py" -m pytest "${pytest_args[@]}" "$tp_file"
 else
   echo "not run: tensor parallelism needs 2 GPUs, this machine has ${gpus:-0}" > "$out/tp_tests.txt"
@@ -150,7 +151,7 @@ fi
 bench_args=(--output-json "$out/bench.json")
 [[ -n $dry ]] && bench_args+=(--smoke --device cpu)
 DETAIL="python -m eaglesrv.bench_gpu ${bench_args[*]:2}: the figures are below" \
-  run_part bench.txt "benchmarks" 190 15 "$py" -m eaglesrv.bench_gpu "${bench_args[@]}"
+  run_part bench.txt "benchmarks" 240 15 "$py" -m eaglesrv.bench_gpu "${bench_args[@]}"
 
 wait "$sm90"
 checks="$state/parts.tsv"

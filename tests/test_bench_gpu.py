@@ -22,7 +22,7 @@ from eaglesrv.engine.model.arch import ModelArch
 def _measurement_rows(table: str) -> list[list[str]]:
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()
             if line.startswith("| ") and not line.startswith("| check ")]
-    return [row for row in rows if row[0].startswith(("batch-1", "EAGLE-3")) or "concurrent" in row[0]]
+    return [row for row in rows if row[0].startswith(("batch-1", "EAGLE-3", "shared prefix")) or "concurrent" in row[0]]
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +42,17 @@ def test_smoke_run_fills_every_row(smoke_run, capsys):
     assert results["batch"]["output_tokens"] == 4 * 8  # every request produced its planned length
     assert results["eagle"]["ratio"] > 0 and results["eagle"]["tokens_per_round"] >= 1
     assert results["eagle"]["draft_vocab_size"] == 128  # a head written with a reduced vocabulary, then loaded
+    prefix = results["prefix"]
+    for run in (prefix["cache_off"], prefix["cache_on"]):
+        assert run["output_tokens"] == 2 * 4 * 4 and run["mean_ttft_ms"] > 0
+    # The 3 requests of each group after its first find 2 pages of 16 of the 48-token system
+    # prompt cached (a page's key holds the token after it, the question's first); without
+    # the cache, nothing is.
+    assert prefix["cache_off"]["cached_prompt_tokens"] == 0 and prefix["cache_on"]["cached_prompt_tokens"] == 6 * 32
     assert results["floor"]["weight_bytes"] == weight_bytes(ModelArch.from_hf_config(TINY_LLAMA), torch.float32)
     table = markdown_table(results)
     rows = _measurement_rows(table)
-    assert len(rows) == 4
+    assert len(rows) == 5
     for what, result, target, verdict in rows:
         assert re.search(r"\d", result) and not result.startswith("failed"), (what, result)
         assert verdict != "FAILED"
@@ -61,32 +68,38 @@ def test_the_table_can_be_printed_again_with_the_checks(smoke_run, tmp_path, cap
     assert "| machine | NVIDIA H200 140 GiB (4 s) | - | ok |" in table
     assert "| GPU tests | 3 passed (230 s) | - | FAILED: timed out (exit 124) |" in table
     assert "| sm90 compile report | not run | - | skipped |" in table
-    assert len(_measurement_rows(table)) == 4
+    assert len(_measurement_rows(table)) == 5
 
 
 def test_a_failed_part_keeps_the_other_rows(smoke_run):
     _, results = smoke_run
     results = {**results, "batch": {"error": "RuntimeError: out of memory"}, "device": {
         **results["device"], "type": "cuda", "name": "NVIDIA H200"}}
-    graphs, eager, batch, eagle = _measurement_rows(markdown_table(results))
+    graphs, eager, batch, eagle, prefix = _measurement_rows(markdown_table(results))
     assert batch[1:] == ["failed: RuntimeError: out of memory", "-", "FAILED"]
     assert graphs[0].startswith("batch-1 decode, CUDA graphs") and graphs[3] in ("met", "NOT met")
-    assert eager[3] == "-" and eagle[3] in ("met", "NOT met")
+    assert eager[3] == "-" and eagle[3] in ("met", "NOT met") and prefix[3] in ("met", "NOT met")
     assert markdown_table(None).endswith("| benchmarks | no results (bench_gpu wrote no JSON) | - | FAILED |")
 
 
 def test_targets_judge_the_figures():
     results = {
         "config": {"decode_tokens": 128, "repeats": 3, "concurrency": 128, "input_len": 256, "output_len": 256,
-                   "spec_steps": 5, "spec_topk": 8, "spec_nodes": 32, "shape": "llama-3.1-8b", "dtype": "bfloat16"},
+                   "spec_steps": 5, "spec_topk": 8, "spec_nodes": 32, "shape": "llama-3.1-8b", "dtype": "bfloat16",
+                   "gsp_num_groups": 8, "gsp_prompts_per_group": 16, "gsp_system_prompt_len": 2048,
+                   "gsp_question_len": 128, "gsp_output_len": 64, "gsp_concurrency": 16},
         "device": {"type": "cuda", "name": "NVIDIA H200", "torch": "2.11"},
         "floor": Floor(16_060_000_000, 4.26e12, "H200, measured copy").to_json(),
         "decode_graphs": {"tok_s": 231.0}, "decode_eager": {"tok_s": 60.0},
         "batch": {"output_tok_s": 9_999.0, "output_tokens": 32768, "total_s": 3.3},
         "eagle": {"ratio": 1.59, "round_ms": 6.0, "plain_step_ms": 3.8, "tokens_per_round": 1.0},
+        "prefix": {"cache_off": {"mean_ttft_ms": 300.0, "output_tok_s": 900.0},
+                   "cache_on": {"mean_ttft_ms": 100.0, "output_tok_s": 1500.0, "cached_prompt_tokens": 250_000,
+                                "input_tokens": 279_000},
+                   "ttft_ratio": 3.0, "tok_s_ratio": 1.67},
     }
     verdicts = [row[3] for row in _measurement_rows(markdown_table(results))]
-    assert verdicts == ["met", "-", "NOT met", "met"]  # 231 / 265.3 = 87.1%; 9,999 < 10,000; 1.59 <= 1.6
+    assert verdicts == ["met", "-", "NOT met", "met", "met"]  # 231 / 265.3 = 87.1%; 9,999 < 10,000; 1.59 <= 1.6
     on_h100 = {**results, "device": {**results["device"], "name": "NVIDIA H100 80GB HBM3"}}
     assert _measurement_rows(markdown_table(on_h100))[2][3] == "n/a (not an H200)"
 

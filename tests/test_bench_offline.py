@@ -40,7 +40,7 @@ def test_smoke_run_reports_every_figure(tmp_path) -> None:
 
     batch = results["batch"]["float32"]
     assert batch["num_requests"] == 4 and batch["steps"] > 0
-    for key in ("input_tokens", "output_tokens", "total_s", "output_tok_s", "req_s", "mean_running",
+    for key in ("input_tokens", "output_tokens", "total_s", "output_tok_s", "req_s", "mean_running", "mean_ttft_ms",
                 "transformers_batch1_tok_s", "ratio_to_transformers_batch1", "ratio_to_eaglesrv_batch1"):
         assert batch[key] > 0, key
     assert isinstance(batch["meets_8x_bar"], bool)

@@ -175,3 +175,15 @@ def _tokens_of(outputs, request_id: str) -> int:
 def fixed_requests(vocab_size: int, count: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
     """`count` requests of random token ids, each to produce exactly output_len tokens."""
     return [BenchRequest(ids, output_len) for ids in random_prompts(vocab_size, count, input_len, seed)]
+
+
+def shared_prefix_requests(vocab_size: int, num_groups: int, per_group: int, system_len: int, question_len: int,
+                           output_len: int, seed: int) -> list[BenchRequest]:
+    """SGLang's generated-shared-prefix workload in token ids: `num_groups` random system
+    prompts, each followed by `per_group` random questions of its own, shuffled so that a
+    group's requests arrive spread over the run."""
+    systems = random_prompts(vocab_size, num_groups, system_len, seed)
+    questions = random_prompts(vocab_size, num_groups * per_group, question_len, seed + 1)
+    requests = [BenchRequest(systems[i // per_group] + question, output_len) for i, question in enumerate(questions)]
+    random.Random(seed).shuffle(requests)
+    return requests

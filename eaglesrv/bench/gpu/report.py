@@ -10,8 +10,9 @@ from typing import Any
 FLOOR_FRACTION = 0.87  # batch-1 decode with graphs, of the weight-streaming floor
 BATCH_TOK_S_H200 = 10_000  # 128 concurrent requests of 256 in / 256 out, on an H200
 EAGLE_ROUND_RATIO = 1.6  # one EAGLE-3 (5, 8, 32) round, as a multiple of one plain decode step
+PREFIX_TTFT_RATIO = 3.0  # issue 42: mean TTFT this many times lower with the prefix cache, shared-prefix workload
 
-MEASUREMENTS = ("decode_graphs", "decode_eager", "batch", "eagle")  # the rows bench_gpu fills, in order
+MEASUREMENTS = ("decode_graphs", "decode_eager", "batch", "eagle", "prefix")  # the rows bench_gpu fills, in order
 
 
 def read_checks(path: str | Path) -> list[dict[str, Any]]:
@@ -107,7 +108,22 @@ def measurement_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]
         result = (f"{e['ratio']:.2f}x ({e['round_ms']:.2f} ms / {e['plain_step_ms']:.2f} ms; "
                   f"{e['tokens_per_round']:.2f} tokens per round)")
         rows.append((what, result, f"<= {EAGLE_ROUND_RATIO}x", _verdict(e["ratio"] <= EAGLE_ROUND_RATIO)))
+
+    rows.append(_prefix_row(cfg, results.get("prefix")))
     return rows
+
+
+def _prefix_row(cfg: dict[str, Any], p: dict[str, Any] | None) -> tuple[str, str, str, str]:
+    what = (f"shared prefix ({cfg['gsp_num_groups']} x {cfg['gsp_prompts_per_group']} requests, "
+            f"{cfg['gsp_system_prompt_len']}-token system prompts, {cfg['gsp_question_len']} in / "
+            f"{cfg['gsp_output_len']} out, {cfg['gsp_concurrency']} in flight): mean TTFT, prefix cache off / on")
+    if p is None or "error" in p:
+        return _missing(what, p)
+    off, on = p["cache_off"], p["cache_on"]
+    result = (f"{p['ttft_ratio']:.2f}x ({off['mean_ttft_ms']:,.1f} ms / {on['mean_ttft_ms']:,.1f} ms); output "
+              f"{on['output_tok_s']:,.1f} against {off['output_tok_s']:,.1f} tok/s ({p['tok_s_ratio']:.2f}x); "
+              f"{on['cached_prompt_tokens']:,} of {on['input_tokens']:,} prompt tokens cached")
+    return what, result, f">= {PREFIX_TTFT_RATIO:g}x", _verdict(p["ttft_ratio"] >= PREFIX_TTFT_RATIO)
 
 
 def markdown_table(results: dict[str, Any] | None, checks: list[dict[str, Any]] | None = None) -> str:

@@ -29,6 +29,7 @@ class BatchResult:
     total_s: float
     steps: int
     mean_running: float  # mean number of requests that got a token per step
+    mean_ttft_ms: float  # from a request's submission (when a slot freed) to its first token
 
     @property
     def output_tok_s(self) -> float:
@@ -69,6 +70,8 @@ def run_continuous(engine, requests: list[BenchRequest], concurrency: int,
     waiting = deque(requests)
     produced: dict[str, int] = {}
     planned: dict[str, int] = {}
+    submitted: dict[str, float] = {}
+    ttft: dict[str, float] = {}
 
     def submit() -> None:
         request = waiting.popleft()
@@ -76,6 +79,7 @@ def run_continuous(engine, requests: list[BenchRequest], concurrency: int,
                                 prompt_logprobs=prompt_logprobs)
         request_id = engine.add_request(request.prompt_ids, params)
         planned[request_id], produced[request_id] = request.output_len, 0
+        submitted[request_id] = time.perf_counter()
 
     start = time.perf_counter()
     while waiting and len(planned) < concurrency:
@@ -85,7 +89,10 @@ def run_continuous(engine, requests: list[BenchRequest], concurrency: int,
         outputs = engine.step()
         steps += 1
         running_sum += sum(1 for out in outputs if out.new_token_ids)
+        now = time.perf_counter()
         for out in outputs:
+            if out.new_token_ids and out.request_id not in ttft:
+                ttft[out.request_id] = now - submitted[out.request_id]
             produced[out.request_id] += len(out.new_token_ids)
             if out.finished:
                 in_flight -= 1
@@ -98,6 +105,6 @@ def run_continuous(engine, requests: list[BenchRequest], concurrency: int,
         raise RuntimeError(f"{len(short)} requests did not produce their planned length (ignore_eos should hold)")
     return BatchResult(
         len(requests), sum(len(r.prompt_ids) for r in requests), sum(produced.values()),
-        total_s, steps, running_sum / max(steps, 1),
+        total_s, steps, running_sum / max(steps, 1), 1000 * sum(ttft.values()) / len(ttft),
     )
 
