@@ -80,6 +80,10 @@ def test_a_failed_part_keeps_the_other_rows(smoke_run):
     assert graphs[0].startswith("batch-1 decode, CUDA graphs") and graphs[3] in ("met", "NOT met")
     assert eager[3] == "-" and eagle[3] in ("met", "NOT met") and prefix[3] in ("met", "NOT met")
     assert markdown_table(None).endswith("| benchmarks | no results (bench_gpu wrote no JSON) | - | FAILED |")
+    # A run from before the shared-prefix part: its row says it did not run.
+    older = {**results, "config": {k: v for k, v in results["config"].items() if not k.startswith("gsp_")}}
+    del older["prefix"]
+    assert _measurement_rows(markdown_table(older))[4][1:] == ["not run", "-", "-"]
 
 
 def test_targets_judge_the_figures():

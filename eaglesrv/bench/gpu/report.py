@@ -114,9 +114,11 @@ def measurement_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]
 
 
 def _prefix_row(cfg: dict[str, Any], p: dict[str, Any] | None) -> tuple[str, str, str, str]:
-    what = (f"shared prefix ({cfg['gsp_num_groups']} x {cfg['gsp_prompts_per_group']} requests, "
-            f"{cfg['gsp_system_prompt_len']}-token system prompts, {cfg['gsp_question_len']} in / "
-            f"{cfg['gsp_output_len']} out, {cfg['gsp_concurrency']} in flight): mean TTFT, prefix cache off / on")
+    gsp = {key: cfg.get(f"gsp_{key}", "?") for key in  # "?" in a run from before this part existed
+           ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len", "concurrency")}
+    what = (f"shared prefix ({gsp['num_groups']} x {gsp['prompts_per_group']} requests, "
+            f"{gsp['system_prompt_len']}-token system prompts, {gsp['question_len']} in / "
+            f"{gsp['output_len']} out, {gsp['concurrency']} in flight): mean TTFT, prefix cache off / on")
     if p is None or "error" in p:
         return _missing(what, p)
     off, on = p["cache_off"], p["cache_on"]
