@@ -182,8 +182,13 @@ def shared_prefix_requests(vocab_size: int, num_groups: int, per_group: int, sys
     """SGLang's generated-shared-prefix workload in token ids: `num_groups` random system
     prompts, each followed by `per_group` random questions of its own, shuffled so that a
     group's requests arrive spread over the run."""
-    systems = random_prompts(vocab_size, num_groups, system_len, seed)
-    questions = random_prompts(vocab_size, num_groups * per_group, question_len, seed + 1)
-    requests = [BenchRequest(systems[i // per_group] + question, output_len) for i, question in enumerate(questions)]
-    random.Random(seed).shuffle(requests)
+    rng = random.Random(seed)
+
+    def draw(length: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(length)]
+
+    systems = [draw(system_len) for _ in range(num_groups)]
+    requests = [BenchRequest(systems[i // per_group] + draw(question_len), output_len)
+                for i in range(num_groups * per_group)]
+    rng.shuffle(requests)
     return requests
