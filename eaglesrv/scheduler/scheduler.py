@@ -271,7 +271,8 @@ class Scheduler:
         """Waiting requests in the order admission tries them: arrival order (preempted ones
         first), or under lpm with the prefix cache on, longest cached prefix first, ties in
         arrival order. Past LPM_MAX_WAITING requests, matching every one each step would
-        cost more than the order saves, and arrival order holds (as in SGLang)."""
+        cost more than the order saves, and arrival order holds (as in SGLang). Admission
+        matches each request again: admitting one can evict cached pages another matched here."""
         waiting = list(self.waiting)
         if self.config.schedule_policy != "lpm" or self.cache is None or not 1 < len(waiting) <= LPM_MAX_WAITING:
             return waiting

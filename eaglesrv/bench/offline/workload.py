@@ -105,6 +105,6 @@ def run_continuous(engine, requests: list[BenchRequest], concurrency: int,
         raise RuntimeError(f"{len(short)} requests did not produce their planned length (ignore_eos should hold)")
     return BatchResult(
         len(requests), sum(len(r.prompt_ids) for r in requests), sum(produced.values()),
-        total_s, steps, running_sum / max(steps, 1), 1000 * sum(ttft.values()) / len(ttft),
+        total_s, steps, running_sum / max(steps, 1), 1000 * sum(ttft.values()) / max(len(ttft), 1),
     )
 
